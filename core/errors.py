@@ -1,0 +1,31 @@
+"""Errors unison raises for bad input. All are raised before any process group starts."""
+
+from __future__ import annotations
+
+
+class UnisonError(Exception):
+    """Base class of every error unison raises on purpose."""
+
+
+class ConfigurationError(UnisonError, ValueError):
+    """An option, or a combination of options, that cannot work.
+
+    The message always names the option and says how to fix it.
+    """
+
+    def __init__(self, option: str, problem: str, fix: str) -> None:
+        self.option, self.problem, self.fix = option, problem, fix
+        super().__init__(f"{option}: {problem}. Fix: {fix}")
+
+
+class UnknownStrategyError(ConfigurationError, KeyError):
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0]
+
+
+class StrategyUnavailableError(ConfigurationError):
+    """A registered strategy whose dependency is missing on this machine."""
+
+
+class PluginError(UnisonError):
+    """A plugin that does not match the hook specifications."""

@@ -1,0 +1,120 @@
+"""Starting worlds of processes.
+
+* :func:`run_script` is what ``unison run --nproc N script.py`` does: it hands
+  the script to ``torch.distributed.run`` (torchrun), passing extra torchrun
+  options through. The script builds a :class:`~unison.Trainer`, which finds
+  the ``env://`` variables torchrun sets.
+* :func:`spawn` runs a picklable function in a fresh world of ``nproc`` local
+  processes with an initialised gloo group and returns each rank's result. The
+  conformance suite and the tests use it to run many scenarios in one process
+  group. On any failure or timeout every process of the world is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_script(script: str, nproc: int, script_args: Sequence[str] = (), torchrun_args: Sequence[str] = ()) -> int:
+    """Run ``script`` under torchrun with ``nproc`` processes on this node; return its exit code."""
+    from torch.distributed import run as torchrun
+
+    argv = [f"--nproc-per-node={nproc}", *torchrun_args]
+    if not any(a.startswith(("--rdzv", "--master", "--nnodes", "--standalone")) for a in torchrun_args):
+        argv.insert(0, "--standalone")  # single node, free port, no rendezvous server to run
+    argv += [script, *script_args]
+    try:
+        torchrun.main(argv)
+    except SystemExit as exc:  # torchrun exits with the failed worker's code
+        return int(exc.code or 0)
+    except Exception as exc:  # ChildFailedError carries the failure summary
+        print(exc, file=sys.stderr)
+        return 1
+    return 0
+
+
+class WorldError(RuntimeError):
+    """A rank of a spawned world failed; carries that rank's traceback."""
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, backend: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    path = Path(out_dir) / f"rank-{rank}.pkl"
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        result = fn(*args)
+        payload: tuple[str, Any] = ("ok", result)
+    except BaseException:  # report, then let the parent kill the world
+        payload = ("error", traceback.format_exc())
+    with open(path, "wb") as f:
+        pickle.dump(payload, f)
+    if payload[0] == "ok":
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 600.0, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(*args)`` on every rank of a new ``nproc``-process world; return results by rank.
+
+    ``fn`` must be importable (a module-level function). Raises
+    :class:`WorldError` with the first failing rank's traceback; kills the
+    whole world on failure or after ``timeout`` seconds.
+    """
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="unison-world-") as out_dir:
+        procs = [
+            ctx.Process(target=_worker, args=(r, nproc, port, out_dir, backend, fn, args), daemon=True)
+            for r in range(nproc)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        results: dict[int, tuple[str, Any]] = {}
+        try:
+            while len(results) < nproc:
+                for r in range(nproc):
+                    path = Path(out_dir) / f"rank-{r}.pkl"
+                    if r not in results and path.exists() and not procs[r].is_alive():
+                        with open(path, "rb") as f:
+                            results[r] = pickle.load(f)
+                failed = [r for r, (status, _) in results.items() if status == "error"]
+                if failed:
+                    raise WorldError(f"rank {failed[0]} failed:\n{results[failed[0]][1]}")
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results
+                        and not (Path(out_dir) / f"rank-{r}.pkl").exists()]
+                if dead:
+                    raise WorldError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} and no report")
+                if time.monotonic() > deadline:
+                    raise WorldError(f"world of {nproc} timed out after {timeout:.0f}s (ranks done: {sorted(results)})")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+                p.join(timeout=10)
+    return [results[r][1] for r in range(nproc)]

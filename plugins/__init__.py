@@ -1,0 +1,1 @@
+"""Built-in plugins other than strategies: precision, loggers, progress display."""

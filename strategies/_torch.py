@@ -1,0 +1,52 @@
+"""Pieces shared by the strategies that keep whole parameters on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from unison.ownership import STANDARD_PRECISIONS, PrecisionOwner, PrecisionSupport, StateDictDeclaration, StateDictKind
+from unison.state import canonical, dcp_load, dcp_save
+from unison.strategy import Strategy
+
+TRAINER_PRECISION = {
+    "32-true": PrecisionSupport(PrecisionOwner.TRAINER, "fp32 parameters and compute"),
+    "bf16-mixed": PrecisionSupport(PrecisionOwner.TRAINER, "torch.autocast(bfloat16) by the trainer"),
+    "bf16-true": PrecisionSupport(PrecisionOwner.TRAINER, "module.to(bfloat16) and bf16 inputs by the trainer"),
+    "16-mixed": PrecisionSupport(PrecisionOwner.TRAINER, "torch.autocast(float16) + GradScaler by the trainer"),
+}
+assert set(TRAINER_PRECISION) == set(STANDARD_PRECISIONS)
+
+DCP_FULL_STATE = StateDictDeclaration(
+    kind=StateDictKind.FULL,
+    format="torch.distributed.checkpoint (DCP), keys = module parameter names, optimizer state keyed by name",
+    reshardable=True,
+    canonical_export="module.state_dict() of the unwrapped module on every rank, cast to fp32, on CPU",
+)
+
+
+class ReplicatedStrategy(Strategy):
+    """Every rank holds whole parameters and, at the boundary, whole, equal gradients."""
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        assert self.module is not None
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        # Gradients are already synchronised, so the local norm is the global one.
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+        return norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        assert self.module is not None
+        # Every rank holds the whole model, so every rank returns it (no gather).
+        return canonical(self.module.state_dict())
+
+    def save_state(self, directory: Path) -> None:
+        assert self.module is not None and self.optimizer is not None
+        dcp_save(self.module, self.optimizer, directory)
+
+    def load_state(self, directory: Path) -> None:
+        assert self.module is not None and self.optimizer is not None
+        dcp_load(self.module, self.optimizer, directory)

@@ -1,0 +1,54 @@
+"""``single``: one process, one device, no process group. The conformance reference."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager
+
+import torch
+
+from unison.errors import ConfigurationError
+from unison.ownership import AccumulationOwner, GradAccumulation, Ownership
+from unison.plugin import hookimpl
+from unison.registry import StrategySpec
+from unison.strategy import DistEnv, OptimizerFactory
+
+from unison.strategies._torch import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
+
+
+class SingleStrategy(ReplicatedStrategy):
+    """Plain ``model(x)``, ``loss.backward()``, ``optimizer.step()``."""
+
+    @property
+    def ownership(self) -> Ownership:
+        return Ownership(
+            grad_accumulation=GradAccumulation(
+                AccumulationOwner.TRAINER, "gradients add up in param.grad; there is nothing to synchronise"
+            ),
+            precision=TRAINER_PRECISION,
+            state_dict=DCP_FULL_STATE,
+        )
+
+    def process_group_backend(self, device: torch.device) -> str | None:
+        return None
+
+    def validate(self, settings: Any, world_size: int) -> None:
+        if world_size > 1:
+            raise ConfigurationError(
+                "strategy",
+                f"'single' trains in one process but this launch has WORLD_SIZE={world_size}",
+                "use strategy='ddp' (or another distributed strategy), or launch one process",
+            )
+
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
+        self.module = self.model = module.to(env.device)
+        self.optimizer = make_optimizer(module.parameters())
+
+    def no_sync(self) -> ContextManager[Any]:
+        # One process: no gradient synchronisation exists to skip.
+        return contextlib.nullcontext()
+
+
+@hookimpl
+def unison_strategies() -> list[StrategySpec]:
+    return [StrategySpec(name="single", factory=SingleStrategy, description="one process, no process group (the reference)")]

@@ -1,0 +1,112 @@
+"""Models, data and run functions shared by the tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.data import TensorDataset
+
+import unison
+
+
+def regression_data(n: int = 512, d: int = 8, seed: int = 123) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = x @ torch.randn(d, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def mlp(d: int = 8, hidden: int = 32, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
+                               torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+
+
+class HookRecorder:
+    """Records every lifecycle hook with its step (a real plugin, registered via the manager)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    @unison.hookimpl
+    def unison_on_fit_start(self, trainer):
+        self.calls.append(("fit_start", None))
+
+    @unison.hookimpl
+    def unison_on_train_epoch_start(self, epoch):
+        self.calls.append(("epoch_start", epoch))
+
+    @unison.hookimpl
+    def unison_on_train_epoch_end(self, epoch):
+        self.calls.append(("epoch_end", epoch))
+
+    @unison.hookimpl
+    def unison_on_train_step_start(self, step):
+        self.calls.append(("step_start", step))
+
+    @unison.hookimpl
+    def unison_on_after_backward(self, step):
+        self.calls.append(("after_backward", step))
+
+    @unison.hookimpl
+    def unison_on_before_optimizer_step(self, step, grad_norm):
+        self.calls.append(("before_optimizer_step", step))
+
+    @unison.hookimpl
+    def unison_on_after_optimizer_step(self, step, skipped):
+        self.calls.append(("after_optimizer_step", (step, skipped)))
+
+    @unison.hookimpl
+    def unison_on_train_step_end(self, step):
+        self.calls.append(("step_end", step))
+
+    @unison.hookimpl
+    def unison_on_validation_end(self, step, metrics):
+        self.calls.append(("validation_end", step))
+
+    @unison.hookimpl
+    def unison_on_save_checkpoint(self, checkpoint):
+        checkpoint["recorder"] = len(self.calls)
+        self.calls.append(("save_checkpoint", None))
+
+    @unison.hookimpl
+    def unison_on_load_checkpoint(self, checkpoint):
+        self.calls.append(("load_checkpoint", checkpoint.get("recorder")))
+
+    @unison.hookimpl
+    def unison_on_fit_end(self):
+        self.calls.append(("fit_end", None))
+
+
+def train(strategy: str = "single", *, data: Any = None, model: Any = None, lr: float = 1e-2,
+          scheduler: bool = True, record: bool = True, ckpt_path: Any = None, val: Any = None,
+          **settings: Any) -> dict[str, Any]:
+    """Train and return what the parity tests compare (on every rank)."""
+    settings = {"accumulate_grad_batches": 4, "global_batch_size": 32, "max_steps": 20, "grad_clip_norm": 0.5,
+                **settings}
+    recorder = HookRecorder()
+    trainer = unison.Trainer(strategy=strategy, callbacks=[recorder] if record else [], **settings)
+    with trainer.pm.record_hook_calls() as monitored:
+        progress = trainer.fit(
+            model if model is not None else mlp(),
+            data if data is not None else regression_data(),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
+            lr_scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5)) if scheduler else None,
+            val_dataset=val,
+            ckpt_path=ckpt_path,
+        )
+    return {
+        "state": trainer.full_state_dict(),
+        "history": progress.history,
+        "optimizer_steps": progress.optimizer_steps,
+        "scheduler_steps": progress.scheduler_steps,
+        "hooks": recorder.calls,
+        "monitored": monitored,
+    }
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
