@@ -77,6 +77,17 @@ def unison_precisions() -> "list[PrecisionSpec]":
     """
 
 
+@hookspec
+def unison_add_cli_commands(cli: Any) -> None:
+    """Add subcommands to the ``unison`` command line.
+
+    Called once by :func:`unison.cli.main` before parsing arguments, with the
+    root :class:`click.Group`; add commands with ``cli.add_command(...)``. The
+    conformance suite adds ``unison conformance`` this way, so the core never
+    imports it. Return value ignored.
+    """
+
+
 # --------------------------------------------------------------------------- #
 # Fit lifecycle: called by Trainer.fit on every rank.
 # --------------------------------------------------------------------------- #

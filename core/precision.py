@@ -49,14 +49,14 @@ class Precision:
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         pass
 
-    def step(self, optimizer_step: Callable[[], None], optimizer: torch.optim.Optimizer, grad_norm: float) -> bool:
+    def step(self, optimizer_step: Callable[[], bool], optimizer: torch.optim.Optimizer, grad_norm: float) -> bool:
         """Run ``optimizer_step`` unless this precision skips it; return ``skipped``.
 
         ``grad_norm`` is the global, unscaled norm the strategy measured, so a
         loss-scaling precision decides on the same number on every rank.
+        ``optimizer_step`` returns ``True`` when the strategy's engine skipped.
         """
-        optimizer_step()
-        return False
+        return bool(optimizer_step())
 
     def state_dict(self) -> dict[str, Any]:
         return {}

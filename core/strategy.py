@@ -151,9 +151,16 @@ class Strategy(abc.ABC):
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """Return the global pre-clip L2 grad norm over all shards; clip when ``max_norm`` is set."""
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self) -> bool:
+        """Update the parameters; return ``True`` if the engine skipped the update.
+
+        Engines that own loss scaling (DeepSpeed fp16) report their own
+        overflow skips here; a trainer-applied GradScaler decides before this
+        is called.
+        """
         assert self.optimizer is not None
         self.optimizer.step()
+        return False
 
     def zero_grad(self) -> None:
         assert self.optimizer is not None

@@ -38,15 +38,14 @@ class AutocastPrecision(Precision):
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer_step: Callable[[], None], optimizer: torch.optim.Optimizer, grad_norm: float) -> bool:
+    def step(self, optimizer_step: Callable[[], bool], optimizer: torch.optim.Optimizer, grad_norm: float) -> bool:
         if self.scaler is None:
-            optimizer_step()
-            return False
+            return bool(optimizer_step())
         # unscale_ recorded the overflow flag that update() reads; the global
         # norm is non-finite exactly when some shard overflowed.
         skipped = not math.isfinite(grad_norm)
         if not skipped:
-            optimizer_step()
+            skipped = bool(optimizer_step())
         self.scaler.update()
         return skipped
 
