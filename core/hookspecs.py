@@ -88,6 +88,20 @@ def unison_add_cli_commands(cli: Any) -> None:
     """
 
 
+@hookspec
+def unison_plugins_from_config(config: Any) -> "list[Any]":
+    """Build plugins (loggers, callbacks) that a config file asks for.
+
+    Called by ``unison train`` once per process, after the config file was
+    validated and before the Trainer is built, with the
+    :class:`~unison.config.RunConfig`. The JSONL logger and the progress
+    display read ``config.logging`` this way, so the core never imports them.
+
+    Returns:
+        Plugin objects to register on the run's Trainer (may be empty).
+    """
+
+
 # --------------------------------------------------------------------------- #
 # Fit lifecycle: called by Trainer.fit on every rank.
 # --------------------------------------------------------------------------- #

@@ -96,6 +96,27 @@ class Progress:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+def build_strategy(settings: TrainerSettings, pm: PluginManager, world_size: int) -> Strategy:
+    """Create the strategy and check the settings against it for ``world_size`` ranks.
+
+    Everything here runs before any process group exists; launchers call it
+    too so that bad input fails before workers start.
+    """
+    strategy = pm.strategies.create(settings.strategy, settings.strategy_options)
+    support = strategy.ownership.precision_support(settings.precision)
+    if not support.supported:
+        raise ConfigurationError(
+            "precision",
+            f"strategy {settings.strategy!r} does not support precision {settings.precision!r}: {support.detail}",
+            f"pick a precision the strategy supports (see `unison describe {settings.strategy}`)",
+        )
+    strategy.validate(settings, world_size)
+    BatchPlan.check_divisible(
+        settings.global_batch_size, settings.accumulate_grad_batches, strategy.data_parallel_size(world_size)
+    )
+    return strategy
+
+
 def _world_from_env() -> tuple[int, int, int]:
     return (
         int(os.environ.get("RANK", 0)),
@@ -135,21 +156,11 @@ class Trainer:
         for plugin in [*callbacks, *loggers]:
             self.pm.register(plugin)
         self.pm.check_pending()
-        s = self.settings
-        self.strategy: Strategy = self.pm.strategies.create(s.strategy, s.strategy_options)
+        _, world_size, _ = _world_from_env()
+        self.strategy: Strategy = build_strategy(self.settings, self.pm, world_size)
         self.ownership = self.strategy.ownership
-        support = self.ownership.precision_support(s.precision)
-        if not support.supported:
-            raise ConfigurationError(
-                "precision",
-                f"strategy {s.strategy!r} does not support precision {s.precision!r}: {support.detail}",
-                "pick a precision the strategy supports (see `unison describe " + s.strategy + "`)",
-            )
-        self._precision_support = support
-        rank, world_size, local_rank = _world_from_env()
-        self.strategy.validate(s, world_size)
-        dp_size = self.strategy.data_parallel_size(world_size)
-        BatchPlan.check_divisible(s.global_batch_size, s.accumulate_grad_batches, dp_size)
+        self._precision_support = self.ownership.precision_support(self.settings.precision)
+        s = self.settings
         self.progress = Progress()
         self.should_stop = False
         self.env: DistEnv | None = None
@@ -158,6 +169,8 @@ class Trainer:
         self.checkpointer = Checkpointer(s.checkpoint_dir, s.keep_last_n_checkpoints) if s.checkpoint_dir else None
         self._owns_process_group = False
         self._final_state: dict[str, torch.Tensor] | None = None
+        #: Metrics of the most recent validation loop, or ``None``.
+        self.last_validation: dict[str, float] | None = None
 
     # -- properties -------------------------------------------------------- #
     @property
@@ -403,6 +416,7 @@ class Trainer:
         model.train(was_training)
         total = self.strategy.reduce_sum(total)
         metrics = {"val/loss": float(total[0] / total[1])}
+        self.last_validation = metrics
         self.pm.hook.unison_on_validation_end(trainer=self, step=step, metrics=metrics)
         self._log(metrics)
         return metrics

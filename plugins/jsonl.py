@@ -1,8 +1,7 @@
 """JSONL metrics logger: one JSON object per line, written by rank 0.
 
-Enable by passing ``JSONLLogger(path)`` in ``loggers=``; the module itself is
-registered through the entry point only so that its class is discoverable
-(it implements no hook at module level).
+Enable it by passing ``JSONLLogger(path)`` in ``loggers=``, or with
+``[logging] jsonl = "path"`` in a ``unison train`` config file.
 """
 
 from __future__ import annotations
@@ -33,3 +32,8 @@ class JSONLLogger:
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@hookimpl
+def unison_plugins_from_config(config: Any) -> list[Any]:
+    return [JSONLLogger(config.logging.jsonl)] if config.logging.jsonl else []

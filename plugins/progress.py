@@ -1,6 +1,7 @@
 """Progress display with rich, on rank 0: a bar with step, loss and learning rate.
 
-Pass ``ProgressBar()`` in ``callbacks=``. It draws only on rank 0 and only
+Pass ``ProgressBar()`` in ``callbacks=`` (``unison train`` adds one unless
+``[logging] progress = false``). It draws only on rank 0 and only
 when stdout is a terminal unless ``force=True`` (in a log file it prints one
 line every ``every`` steps instead of redrawing).
 """
@@ -64,3 +65,8 @@ class ProgressBar:
     @hookimpl
     def unison_on_exception(self, trainer: Any, exception: BaseException) -> None:
         self._stop()
+
+
+@hookimpl
+def unison_plugins_from_config(config: Any) -> list[Any]:
+    return [ProgressBar()] if config.logging.progress else []

@@ -1,0 +1,170 @@
+"""The ``unison`` command line.
+
+* ``unison strategies`` – every registered strategy, available or not (with why).
+* ``unison describe NAME`` – the strategy's ownership declaration.
+* ``unison run --nproc N [TORCHRUN_OPTION=VALUE ...] script.py [ARGS]`` – torchrun.
+* ``unison train CONFIG [--strategy NAME] [--nproc N]`` – train from a config file.
+
+Plugins add more commands through ``unison_add_cli_commands``
+(``unison conformance`` comes from the conformance suite that way).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from unison.errors import UnisonError
+from unison.launch import run_script
+from unison.manager import PluginManager
+
+console = Console()
+
+
+@click.group()
+def cli() -> None:
+    """unison: PyTorch training whose distributed backends are swapped by name."""
+
+
+@cli.command()
+def strategies() -> None:
+    """List registered strategies, their aliases and availability."""
+    pm = PluginManager()
+    table = Table(title="unison strategies")
+    for col in ("name", "aliases", "available", "description"):
+        table.add_column(col)
+    for spec in pm.strategies.specs():
+        table.add_row(
+            spec.name,
+            ", ".join(spec.aliases) or "-",
+            "yes" if spec.unavailable is None else f"no: {spec.unavailable}",
+            spec.description,
+        )
+    console.print(table)
+
+
+@cli.command()
+@click.argument("name")
+def describe(name: str) -> None:
+    """Print who owns accumulation, precision and state_dict for strategy NAME."""
+    pm = PluginManager()
+    spec, options = pm.strategies.resolve(name)
+    if spec.unavailable:
+        console.print(f"[yellow]{name}: unavailable here: {spec.unavailable}[/]")
+    strategy = spec.factory(**options.model_dump())
+    d = strategy.ownership.to_dict()
+    console.print(f"[bold]{name}[/]  {spec.description}")
+    console.print(f"options: {options.model_dump()}")
+    ga = d["grad_accumulation"]
+    console.print(f"gradient accumulation: owned by [bold]{ga['owner']}[/] – {ga['mechanism']}")
+    table = Table(title="precision")
+    for col in ("precision", "applied by", "detail"):
+        table.add_column(col)
+    for prec, support in d["precision"].items():
+        table.add_row(prec, support["owner"], support["detail"])
+    console.print(table)
+    sd = d["state_dict"]
+    console.print(
+        f"state_dict: [bold]{sd['kind']}[/], format: {sd['format']}; reshardable: {sd['reshardable']}; "
+        f"canonical export: {sd['canonical_export']}"
+    )
+    if d["non_conformant"]:
+        console.print(f"[red]non-conformant: {d['non_conformant']}[/]")
+    for note in d["notes"]:
+        console.print(f"note: {note}")
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--nproc", type=int, default=1, show_default=True, help="Processes on this node.")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def run(nproc: int, args: tuple[str, ...]) -> None:
+    """Run a training script under torchrun: ``unison run --nproc 2 train.py --lr 1e-3``.
+
+    Options before the script, in ``--name=value`` form, go to torchrun
+    (``--nnodes=2 --node-rank=0 --master-addr=HOST --master-port=PORT``).
+    """
+    torchrun_args = []
+    rest = list(args)
+    while rest and rest[0].startswith("-"):
+        torchrun_args.append(rest.pop(0))
+    if not rest:
+        raise click.UsageError("no script given")
+    sys.exit(run_script(rest[0], nproc, rest[1:], torchrun_args))
+
+
+@cli.command()
+@click.argument("config", type=click.Path(exists=True, dir_okay=False))
+@click.option("--strategy", default=None, help="Override [trainer] strategy.")
+@click.option("--nproc", type=int, default=1, show_default=True, help="Processes on this node.")
+@click.option("--max-steps", type=int, default=None, help="Override [trainer] max_steps.")
+def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) -> None:
+    """Train from a TOML or YAML CONFIG (see unison.config for the layout)."""
+    from unison.config import load_config
+    from unison.trainer import build_strategy
+
+    overrides: dict[str, Any] = {}
+    if strategy is not None:
+        overrides["strategy"] = strategy
+    if max_steps is not None:
+        overrides["max_steps"] = max_steps
+    run_config, _ = load_config(config, overrides)
+    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+        # Validate before any worker or process group starts, then relaunch.
+        build_strategy(run_config.trainer, PluginManager(), nproc)
+        # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
+        argv = ["train", config, *(["--strategy", strategy] if strategy else []),
+                *(["--max-steps", str(max_steps)] if max_steps is not None else [])]
+        sys.exit(run_script("unison.cli", nproc, argv, ["--module"]))
+    _train_here(config, overrides)
+
+
+def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
+    from unison.config import load_config, optimizer_factory, resolve_factory, scheduler_factory
+    from unison.trainer import Trainer
+
+    config, base = load_config(config_path, overrides)
+    pm = PluginManager()
+    trainer = Trainer(plugin_manager=pm, callbacks=[p for ps in pm.hook.unison_plugins_from_config(config=config) for p in ps],
+                      **config.trainer.model_dump())
+    model = resolve_factory(config.model.factory, base)(**config.model.kwargs)
+    train_ds, val_ds = resolve_factory(config.data.factory, base)(**config.data.kwargs)
+    progress = trainer.fit(
+        model, train_ds,
+        loss_fn=resolve_factory(config.loss.factory, base),
+        optimizer=optimizer_factory(config.optimizer),
+        lr_scheduler=scheduler_factory(config.scheduler),
+        val_dataset=val_ds,
+    )
+    if trainer.is_global_zero:
+        last = progress.history[-1] if progress.history else None
+        console.print(f"final train loss: {last['loss']:.4f}" if last else "no step was run")
+        if trainer.last_validation is not None:
+            console.print(f"final validation loss: {trainer.last_validation['val/loss']:.4f}")
+        if trainer.checkpointer is not None and trainer.checkpointer.latest() is not None:
+            console.print(f"checkpoint: {trainer.checkpointer.latest()}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    pm = PluginManager()
+    pm.hook.unison_add_cli_commands(cli=cli)
+    try:
+        cli.main(args=argv, prog_name="unison", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(1)
+    except UnisonError as exc:
+        console.print(f"[red]error:[/] {exc}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

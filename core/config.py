@@ -1,0 +1,148 @@
+"""Config files for ``unison train``: TOML or YAML, validated by pydantic.
+
+Unknown keys are rejected with their full path (``trainer.max_stepz``).
+Factories are ``"file.py:function"`` (relative to the config file) or
+``"package.module:function"``::
+
+    [trainer]                       # unison.TrainerSettings
+    strategy = "ddp"
+    max_steps = 200
+
+    [model]
+    factory = "tinylm.py:build_model"
+    kwargs = { d_model = 64 }
+
+    [data]                          # factory returns (train_dataset, val_dataset or None)
+    factory = "tinylm.py:build_datasets"
+
+    [loss]
+    factory = "tinylm.py:loss_fn"   # the loss function itself, not a builder
+
+    [optimizer]                     # a torch.optim class
+    name = "AdamW"
+    kwargs = { lr = 3e-3 }
+
+    [scheduler]                     # optional, a torch.optim.lr_scheduler class
+    name = "CosineAnnealingLR"
+    kwargs = { T_max = 200 }
+
+    [logging]
+    jsonl = "runs/tinylm/metrics.jsonl"
+    progress = true
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any, Callable
+
+import pydantic
+import torch
+import yaml
+
+from unison.errors import ConfigurationError
+from unison.trainer import TrainerSettings
+
+
+class _Strict(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class FactoryConfig(_Strict):
+    factory: str
+    """``file.py:function`` relative to the config file, or ``module:function``."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments for the factory."""
+
+
+class LossConfig(_Strict):
+    factory: str
+    """The loss function ``loss_fn(outputs, targets) -> mean loss``."""
+
+
+class ClassConfig(_Strict):
+    name: str
+    """Class name in ``torch.optim`` (optimizer) or ``torch.optim.lr_scheduler`` (scheduler)."""
+    kwargs: dict[str, Any] = {}
+    """Constructor keyword arguments."""
+
+
+class LoggingConfig(_Strict):
+    jsonl: str | None = None
+    """Path of a JSONL metrics file (relative to the working directory)."""
+    progress: bool = True
+    """Show a progress display on rank 0."""
+
+
+class RunConfig(_Strict):
+    trainer: TrainerSettings = TrainerSettings()
+    model: FactoryConfig
+    data: FactoryConfig
+    loss: LossConfig
+    optimizer: ClassConfig = ClassConfig(name="AdamW", kwargs={"lr": 1e-3})
+    scheduler: ClassConfig | None = None
+    logging: LoggingConfig = LoggingConfig()
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[RunConfig, Path]:
+    """Read and validate a config file; ``overrides`` replace ``[trainer]`` keys."""
+    path = Path(path)
+    text = path.read_text()
+    raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    if not isinstance(raw, dict):
+        raise ConfigurationError(str(path), "the config is not a table of sections", "see unison.config for the layout")
+    if overrides:
+        raw.setdefault("trainer", {}).update(overrides)
+    try:
+        return RunConfig(**raw), path.parent.resolve()
+    except pydantic.ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        fix = "remove or rename it" if err["type"] == "extra_forbidden" else "see the documented keys in unison.config"
+        raise ConfigurationError(f"config key {key} in {path}", err["msg"], fix) from None
+
+
+def resolve_factory(spec: str, base: Path) -> Callable[..., Any]:
+    """``file.py:name`` (relative to ``base``) or ``module:name`` -> the object."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep:
+        raise ConfigurationError("factory", f"{spec!r} has no ':name' part", "write 'file.py:function' or 'module:function'")
+    if target.endswith(".py"):
+        file = (base / target).resolve()
+        name = f"unison_config_{file.stem}"
+        if name not in sys.modules:
+            module_spec = importlib.util.spec_from_file_location(name, file)
+            if module_spec is None or module_spec.loader is None:
+                raise ConfigurationError("factory", f"cannot load {file}", "check the path")
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            module_spec.loader.exec_module(module)
+        module = sys.modules[name]
+    else:
+        module = importlib.import_module(target)
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConfigurationError("factory", f"{target} has no {attr!r}", "check the name after ':'") from None
+
+
+def optimizer_factory(config: ClassConfig) -> Callable[[Any], torch.optim.Optimizer]:
+    cls = getattr(torch.optim, config.name, None)
+    if cls is None:
+        raise ConfigurationError("optimizer.name", f"torch.optim has no {config.name!r}", "use e.g. 'AdamW' or 'SGD'")
+    return lambda params: cls(params, **config.kwargs)
+
+
+def scheduler_factory(config: ClassConfig | None) -> Callable[[Any], Any] | None:
+    if config is None:
+        return None
+    cls = getattr(torch.optim.lr_scheduler, config.name, None)
+    if cls is None:
+        raise ConfigurationError(
+            "scheduler.name", f"torch.optim.lr_scheduler has no {config.name!r}", "use e.g. 'CosineAnnealingLR'"
+        )
+    return lambda optimizer: cls(optimizer, **config.kwargs)
