@@ -147,13 +147,18 @@ def unison_on_train_epoch_start(trainer: "Trainer", epoch: int) -> None:
 def unison_on_train_epoch_end(trainer: "Trainer", epoch: int) -> None:
     """After the last optimizer step of an epoch, on every rank.
 
-    Not called for an epoch cut short by ``max_steps``.
+    Called by :meth:`Trainer.fit` after that step's ``unison_on_train_step_end``;
+    not called for an epoch cut short by ``max_steps``.
     """
 
 
 @hookspec
 def unison_on_train_step_start(trainer: "Trainer", step: int) -> None:
-    """Before the first micro-batch of optimizer step ``step``, on every rank."""
+    """Before the first micro-batch of optimizer step ``step``, on every rank.
+
+    Called by :meth:`Trainer.fit` once per optimizer step, on every backend,
+    before the step's micro-batches are loaded.
+    """
 
 
 @hookspec
@@ -183,7 +188,7 @@ def unison_on_before_optimizer_step(trainer: "Trainer", step: int, grad_norm: fl
 def unison_on_after_optimizer_step(trainer: "Trainer", step: int, skipped: bool) -> None:
     """Once per optimizer step, after the update and the scheduler step.
 
-    Called on every rank. ``skipped`` is ``True`` when the update did not
+    Called by :meth:`Trainer.fit` on every rank, after ``zero_grad``. ``skipped`` is ``True`` when the update did not
     happen (fp16 overflow); the LR scheduler was then not advanced either.
     """
 
@@ -191,6 +196,9 @@ def unison_on_after_optimizer_step(trainer: "Trainer", step: int, skipped: bool)
 @hookspec
 def unison_on_train_step_end(trainer: "Trainer", step: int, output: "StepOutput") -> None:
     """After optimizer step ``step`` is complete, on every rank.
+
+    Called by :meth:`Trainer.fit` once per optimizer step, after
+    ``unison_on_after_optimizer_step`` and before metrics are logged.
 
     ``output`` holds the global-batch mean loss, each micro-batch's loss (the
     same numbers on every rank), the grad norm, the learning rates and whether
@@ -206,12 +214,20 @@ def unison_on_train_step_end(trainer: "Trainer", step: int, output: "StepOutput"
 
 @hookspec
 def unison_on_validation_start(trainer: "Trainer", step: int) -> None:
-    """Before the validation loop that follows optimizer step ``step``, on every rank."""
+    """Before the validation loop that follows optimizer step ``step``, on every rank.
+
+    Called by :meth:`Trainer.validate`: every ``val_every_n_steps`` and once at
+    the end of ``fit`` when a ``val_dataset`` is given. The model is put in
+    eval mode right after this hook.
+    """
 
 
 @hookspec
 def unison_on_validation_end(trainer: "Trainer", step: int, metrics: "dict[str, float]") -> None:
     """After the validation loop, on every rank.
+
+    Called by :meth:`Trainer.validate`, before the metrics go to
+    ``unison_log_metrics``.
 
     ``metrics["val/loss"]`` is the mean loss over the whole validation set,
     reduced across ranks (the same value on every rank and every backend).
@@ -227,6 +243,11 @@ def unison_on_validation_end(trainer: "Trainer", step: int, metrics: "dict[str, 
 def unison_on_save_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") -> None:
     """While a checkpoint is written, before it is committed, on every rank.
 
+    Called by :meth:`Trainer.save_checkpoint` (every
+    ``checkpoint_every_n_steps`` and at the end of ``fit``) after the strategy
+    wrote its files and before the checkpoint directory is renamed into place;
+    an exception here leaves the previous checkpoint as the latest.
+
     ``checkpoint`` is the rank-0 trainer state that will be saved with
     ``torch.save`` (progress, scheduler, scaler). A plugin may add its own
     picklable entry under a key of its own name; it is returned to
@@ -238,7 +259,8 @@ def unison_on_save_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") 
 def unison_on_load_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") -> None:
     """When ``fit`` resumes, after model, optimizer and progress were restored.
 
-    Called on every rank with the dict rank 0 saved (see
+    Called by :meth:`Trainer.fit` (given ``ckpt_path``) after
+    ``unison_on_fit_start``, on every rank, with the dict rank 0 saved (see
     :func:`unison_on_save_checkpoint`).
     """
 

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -39,26 +38,28 @@ def canonical(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: (v.detach().float() if v.is_floating_point() else v.detach()).cpu().clone() for k, v in state.items()}
 
 
-def dcp_save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, *, sharded: bool = False) -> None:
+def _dcp_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    # Default options on purpose: every rank contributes what it holds (whole
+    # tensors for replicated strategies, DTensor shards for FSDP) and DCP
+    # de-duplicates and reshards. ``full_state_dict=True`` would hand the state
+    # to rank 0 only and leave the other ranks unloaded on resume.
+    return {
+        "model": get_model_state_dict(module),
+        "optim": get_optimizer_state_dict(module, optimizer),
+    }
+
+
+def dcp_save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Save model and optimizer with DCP (collective when a process group exists)."""
-    options = StateDictOptions(full_state_dict=not sharded, cpu_offload=not sharded)
-    state = {
-        "model": get_model_state_dict(module, options=options),
-        "optim": get_optimizer_state_dict(module, optimizer, options=options),
-    }
-    _run_dcp(dcp.save, state, directory)
+    _run_dcp(dcp.save, _dcp_state(module, optimizer), directory)
 
 
-def dcp_load(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path, *, sharded: bool = False) -> None:
-    """Load what :func:`dcp_save` wrote, at any world size (collective)."""
-    options = StateDictOptions(full_state_dict=not sharded, cpu_offload=not sharded)
-    state = {
-        "model": get_model_state_dict(module, options=options),
-        "optim": get_optimizer_state_dict(module, optimizer, options=options),
-    }
+def dcp_load(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Load what :func:`dcp_save` wrote, at any world size, into every rank (collective)."""
+    state = _dcp_state(module, optimizer)
     _run_dcp(dcp.load, state, directory)
-    set_model_state_dict(module, state["model"], options=options)
-    set_optimizer_state_dict(module, optimizer, state["optim"], options=options)
+    set_model_state_dict(module, state["model"])
+    set_optimizer_state_dict(module, optimizer, state["optim"])
 
 
 def rng_state() -> dict[str, Any]:
