@@ -1,0 +1,67 @@
+"""Checkpoints are atomic: a crash while saving never corrupts the last good one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import unison
+from helpers import max_abs_diff, mlp, regression_data, train
+from unison.checkpoint import Checkpointer
+
+
+class CrashOnSecondSave:
+    def __init__(self):
+        self.saves = 0
+
+    @unison.hookimpl
+    def unison_on_save_checkpoint(self, checkpoint):
+        self.saves += 1
+        if self.saves == 2:
+            raise RuntimeError("disk full (simulated in a real save)")
+
+
+def fit(trainer, **kw):
+    return trainer.fit(mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
+                       optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **kw)
+
+
+def test_crash_during_save_keeps_previous_checkpoint_latest(tmp_path):
+    trainer = unison.Trainer(strategy="single", global_batch_size=16, accumulate_grad_batches=2, max_steps=10,
+                             checkpoint_dir=str(tmp_path), checkpoint_every_n_steps=4, callbacks=[CrashOnSecondSave()])
+    with pytest.raises(RuntimeError, match="disk full"):
+        fit(trainer)
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.latest() == tmp_path / "step-00000004"
+    assert not (tmp_path / "step-00000008").exists()
+    # The crashed attempt left only a .partial directory, which resume ignores.
+    assert (tmp_path / ".step-00000008.partial").exists()
+    resumed = unison.Trainer(strategy="single", global_batch_size=16, accumulate_grad_batches=2, max_steps=10,
+                             checkpoint_dir=str(tmp_path), checkpoint_every_n_steps=4)
+    progress = fit(resumed, ckpt_path="last")
+    assert progress.global_step == 10 and progress.history[0]["step"] == 0 and len(progress.history) == 10
+    assert ckpt.latest() == tmp_path / "step-00000010"
+    assert not (tmp_path / ".step-00000008.partial").exists()  # re-saved cleanly over the leftover
+
+
+def test_keep_last_n_prunes_only_committed_older_checkpoints(tmp_path):
+    trainer = unison.Trainer(strategy="single", global_batch_size=16, accumulate_grad_batches=2, max_steps=9,
+                             checkpoint_dir=str(tmp_path), checkpoint_every_n_steps=2, keep_last_n_checkpoints=2)
+    fit(trainer)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000008", "step-00000009"]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000009"
+
+
+def test_single_resume_is_bitwise(tmp_path):
+    full = train("single")
+    train("single", max_steps=10, checkpoint_dir=str(tmp_path))
+    resumed = train("single", max_steps=20, checkpoint_dir=str(tmp_path), ckpt_path="last")
+    assert max_abs_diff(full["state"], resumed["state"]) == 0.0
+    assert resumed["history"] == full["history"]
+    assert ("load_checkpoint", resumed["hooks"][1][1]) == resumed["hooks"][1]
+
+
+def test_resume_from_a_path_that_is_not_a_checkpoint(tmp_path):
+    trainer = unison.Trainer(strategy="single", global_batch_size=16, max_steps=2)
+    with pytest.raises(FileNotFoundError, match="not a committed unison checkpoint"):
+        fit(trainer, ckpt_path=str(tmp_path))
