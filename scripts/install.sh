@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Create .venv and install unison with every backend it can run on this machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ -d /opt/wheels ]; then export PIP_FIND_LINKS="${PIP_FIND_LINKS:-/opt/wheels}"; fi
+python3 -m venv .venv
+.venv/bin/pip install -q --upgrade pip setuptools wheel
+# torch first: DeepSpeed and fairscale build against the installed torch
+# (--no-build-isolation), which keeps them on the CPU wheel.
+.venv/bin/pip install -q "torch==2.13.0"
+.venv/bin/pip install -q --no-build-isolation -e ".[dev,deepspeed,fairscale]"
+rm -rf unison.egg-info  # build metadata only; a stale copy would shadow the installed entry points
