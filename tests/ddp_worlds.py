@@ -40,7 +40,7 @@ def overflow_data() -> torch.utils.data.TensorDataset:
 
 def ddp_scenarios() -> dict[str, Any]:
     out: dict[str, Any] = {}
-    out["fp32"] = train("ddp")
+    out["fp32"] = train("ddp", val=regression_data(n=51, seed=7), val_every_n_steps=10)
     out["bf16-mixed"] = train("ddp", precision="bf16-mixed")
     out["16-mixed"] = train("ddp", precision="16-mixed")
     out["overflow"] = train("ddp", precision="16-mixed", data=overflow_data(), global_batch_size=32, max_steps=8)

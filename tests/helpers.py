@@ -28,6 +28,7 @@ class HookRecorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.validation: list[float] = []
 
     @unison.hookimpl
     def unison_on_fit_start(self, trainer):
@@ -64,6 +65,7 @@ class HookRecorder:
     @unison.hookimpl
     def unison_on_validation_end(self, step, metrics):
         self.calls.append(("validation_end", step))
+        self.validation.append(metrics["val/loss"])
 
     @unison.hookimpl
     def unison_on_save_checkpoint(self, checkpoint):
@@ -103,6 +105,7 @@ def train(strategy: str = "single", *, data: Any = None, model: Any = None, lr: 
         "optimizer_steps": progress.optimizer_steps,
         "scheduler_steps": progress.scheduler_steps,
         "hooks": recorder.calls,
+        "validation": recorder.validation,
         "monitored": monitored,
     }
 

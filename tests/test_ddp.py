@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ddp_worlds import ddp_scenarios, overflow_data
-from helpers import max_abs_diff, train
+from helpers import max_abs_diff, regression_data, train
 from unison.launch import spawn
 
 pytestmark = pytest.mark.distributed
@@ -27,7 +27,7 @@ def world() -> list[dict]:
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return {
-        "fp32": train("single"),
+        "fp32": train("single", val=regression_data(n=51, seed=7), val_every_n_steps=10),
         "bf16-mixed": train("single", precision="bf16-mixed"),
         "16-mixed": train("single", precision="16-mixed"),
         "overflow": train("single", precision="16-mixed", data=overflow_data(), global_batch_size=32, max_steps=8),
@@ -45,6 +45,13 @@ def test_fp32_matches_reference_with_accumulation_and_clipping(world, reference)
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
             assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
             assert a["lr"] == b["lr"]
+
+
+def test_validation_loss_equals_reference(world, reference):
+    ref = reference["fp32"]["validation"]
+    assert len(ref) == 2  # at step 10 and at the end
+    for rank in world:
+        assert rank["fp32"]["validation"] == pytest.approx(ref, rel=1e-5)
 
 
 def test_hook_sequence_identical_to_single(world, reference):
@@ -83,8 +90,9 @@ def test_resume_is_bitwise_equal_to_uninterrupted(world):
 
 
 def test_ddp_checkpoint_resumes_under_single(world, reference):
-    resumed = train("single", max_steps=20, checkpoint_dir=world[0]["ckpt_dir"] + "-single", ckpt_path=world[0]["ckpt_dir"] + "/step-00000010")
-    assert max_abs_diff(resumed["state"], reference["fp32"]["state"]) <= FP32_TOL
+    resumed = train("single", max_steps=20, checkpoint_dir=world[0]["ckpt_dir"] + "-single",
+                    ckpt_path=world[0]["ckpt_dir"] + "/step-00000010")
+    assert max_abs_diff(resumed["state"], world[0]["resumed"]["state"]) <= FP32_TOL
 
 
 def test_gradient_sync_skipped_on_non_boundary_micro_steps(world):

@@ -111,3 +111,42 @@ def test_record_hook_calls_sees_what_plugins_see():
 def test_hookimpl_marker_is_pluggys():
     assert isinstance(unison.hookimpl, pluggy.HookimplMarker)
     assert unison.hookimpl.project_name == "unison"
+
+
+class _Opts(__import__("pydantic").BaseModel):
+    model_config = {"extra": "forbid"}
+    bucket: int = 1
+
+
+class AliasAndUnavailable:
+    @unison.hookimpl
+    def unison_strategies(self):
+        from unison.strategies.single import SingleStrategy
+
+        class WithOpts(SingleStrategy):
+            def __init__(self, bucket):
+                super().__init__()
+                self.bucket = bucket
+
+        return [
+            StrategySpec(name="opt_single", factory=WithOpts, description="with options", options=_Opts,
+                         aliases={"opt_single_big": {"bucket": 64}}),
+            StrategySpec(name="needs_gpu", factory=WithOpts, description="cuda only",
+                         unavailable="needs CUDA, which this machine does not have"),
+        ]
+
+
+def test_alias_resolves_with_preset_options_and_user_options_win():
+    pm = unison.PluginManager(plugins=[AliasAndUnavailable()])
+    assert pm.strategies.create("opt_single_big").bucket == 64
+    assert pm.strategies.create("opt_single_big", {"bucket": 3}).bucket == 3
+    assert pm.strategies.create("opt_single").bucket == 1
+    assert pm.strategies.create("opt_single_big").name == "opt_single_big"
+
+
+def test_unavailable_strategy_is_listed_with_reason_and_refused():
+    pm = unison.PluginManager(plugins=[AliasAndUnavailable()])
+    spec = {s.name: s for s in pm.strategies.specs()}["needs_gpu"]
+    assert spec.unavailable == "needs CUDA, which this machine does not have"
+    with pytest.raises(unison.ConfigurationError, match="unavailable here: needs CUDA"):
+        unison.Trainer(strategy="needs_gpu", plugin_manager=pm)
