@@ -35,7 +35,10 @@ class ReplicatedStrategy(Strategy):
         # Gradients are already synchronised, so the local norm is the global one.
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+            # clip_grads_with_norm_ takes the parameters (it scales p.grad);
+            # given the gradient tensors it finds no .grad and clips nothing.
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

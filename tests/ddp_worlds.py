@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from helpers import mlp, regression_data, train
+from helpers import regression_data, train
 
 
 class AllReduceCounter:

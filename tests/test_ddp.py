@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from ddp_worlds import ddp_scenarios, overflow_data
 from helpers import max_abs_diff, regression_data, train
