@@ -110,6 +110,12 @@ def build_strategy(settings: TrainerSettings, pm: PluginManager, world_size: int
             f"strategy {settings.strategy!r} does not support precision {settings.precision!r}: {support.detail}",
             f"pick a precision the strategy supports (see `unison describe {settings.strategy}`)",
         )
+    if support.owner in (PrecisionOwner.TRAINER, PrecisionOwner.PLUGIN):
+        spec = pm.precisions.get(settings.precision)
+        if spec.unavailable:
+            raise ConfigurationError(
+                "precision", f"{spec.name!r} is unavailable here: {spec.unavailable}", "pick another precision"
+            )
     strategy.validate(settings, world_size)
     BatchPlan.check_divisible(
         settings.global_batch_size, settings.accumulate_grad_batches, strategy.data_parallel_size(world_size)
@@ -217,9 +223,7 @@ class Trainer:
 
     def _build_precision(self, device: torch.device) -> Precision:
         if self._precision_support.owner in (PrecisionOwner.TRAINER, PrecisionOwner.PLUGIN):
-            spec = self.pm.precisions.get(self.settings.precision)
-            if spec.unavailable:
-                raise ConfigurationError("precision", f"{spec.name!r} is unavailable: {spec.unavailable}", "pick another precision")
+            spec = self.pm.precisions.get(self.settings.precision)  # availability checked in build_strategy
             return spec.factory(device=device, grad_scaler=lambda: self.strategy.make_grad_scaler(device))
         return DelegatedPrecision(self.settings.precision)
 
