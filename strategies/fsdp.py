@@ -35,10 +35,10 @@ Decisions shared by both:
 * **bf16-true belongs to the trainer**: the module is cast to bf16 before it is
   sharded, so shards, gradients (reduced in bf16) and optimizer state are bf16.
 * **State**: sharded DCP checkpoints through ``torch.distributed.checkpoint``
-  (:func:`unison.state.dcp_save` with ``sharded=True``): each rank writes its
-  shards, keys are the module's own names, and DCP reshards on load, so a
-  checkpoint written at world size 2 loads at 1, into ``single`` or ``ddp``,
-  and theirs into ``fsdp``.
+  (:func:`unison.state.dcp_save`): the state-dict API hands DCP each rank's
+  DTensor shards, each rank writes its own, keys are the module's own names,
+  and DCP reshards on load, so a checkpoint written at world size 2 loads at
+  1, into ``single`` or ``ddp``, and theirs into ``fsdp``.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager
 
 import pydantic
 import torch
 from torch.distributed.tensor import DTensor
-
 from unison.errors import ConfigurationError
 from unison.ownership import (
     AccumulationOwner,
@@ -79,7 +79,7 @@ class FSDPOptions(pydantic.BaseModel):
     shard_module_classes: list[str] | None = None
     """Class names of submodules sharded as their own unit; default: every submodule that directly owns parameters not shared outside it. The root is always sharded."""
     cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in CPU memory (the optimizer steps on CPU)."""
+    """Keep sharded parameters, gradients and optimizer state in host memory (the optimizer steps on the CPU); on a CPU device they already are, and the option changes nothing observable."""
 
 
 # --------------------------------------------------------------------------- #
@@ -162,8 +162,9 @@ def _sharded_grad_scaler(device: torch.device) -> torch.amp.GradScaler:
 
         With FSDP2 the gradients are DTensors: the fused unscale kernel runs on
         each rank's local shard and writes the found-inf flag, which
-        ``unscale_`` then all-reduces over the world (verified on CPU/gloo: an
-        overflow on one rank backs the scale off on every rank). DTensor warns
+        ``unscale_`` then all-reduces over the world, so every rank backs the
+        scale off together (checked on CPU/gloo with an overflowing sample on
+        one rank: both ranks skip the step and end at the same scale). DTensor warns
         that it wraps the one-element flag as a replicated tensor; that is
         exactly the intended meaning, so the warning is silenced here only.
         """
@@ -195,23 +196,43 @@ def _precision_table(policy: str) -> dict[str, PrecisionSupport]:
 
 _SHARDED_DCP = "torch.distributed.checkpoint (DCP), one shard file per rank; keys = module parameter names, optimizer state keyed by name"
 
-#: Measured on CPU/gloo, world 2 (MLP 8-32-32-1, AdamW lr 1e-2, 20 steps,
-#: accumulation 4, clip 0.5, StepLR): see tests/test_fsdp.py.
+#: Measured on CPU/gloo, world 2, torch 2.13 (MLP 8-32-32-1, AdamW lr 1e-2, 20
+#: steps, accumulation 4, clipping at 0.5 that clips, StepLR); tests/test_fsdp.py
+#: holds the ceilings.
 _NOTES_FSDP2 = (
-    "fp32: max abs parameter difference vs single after 20 steps (accumulation 4, clipping, StepLR): "
-    "measured 6e-8 (ceiling 1e-5)",
-    "bf16-mixed vs single's bf16-mixed (autocast): the policy computes with bf16 copies of the parameters and "
-    "bf16 activations between layers where autocast keeps some ops in fp32; measured max abs parameter "
-    "difference 2e-3 after 20 steps (tolerance 2e-2 used by tests)",
-    "save at step 10 -> resume to 20 equals uninterrupted bitwise (measured 0.0)",
-    "Fully sharding mutates the user's module in place (its class becomes an FSDP subclass, parameters DTensors)",
+    "32-true vs single: max abs parameter difference 3.4e-8 after 20 steps (ceiling 1e-5); grad norms rel 1e-7",
+    (
+        "bf16-mixed vs single's bf16-mixed (autocast): 3.8e-4 (ceiling 2e-3; bf16 vs fp32 itself differs by "
+        "1.9e-2). The policy computes with bf16 copies of every parameter and keeps activations in bf16 between "
+        "layers, where autocast keeps some ops in fp32"
+    ),
+    "16-mixed vs single's 16-mixed: 1.5e-4 (ceiling 1e-3); an fp16 overflow skips the same steps as single",
+    (
+        "bf16-true vs single's bf16-true: 3.9e-3 (ceiling 1e-2; bf16-true vs fp32 differs by 2.0e-2): gradients "
+        "are reduce-scattered in bf16, so the two ranks' halves are summed with one more bf16 rounding"
+    ),
+    (
+        "save at step 10 -> resume to 20 equals uninterrupted bitwise (0.0); the world-2 checkpoint resumed in "
+        "one process under single or fsdp: 3e-8"
+    ),
+    "Sharding mutates the user's module in place (its class becomes an FSDP subclass, parameters DTensors)",
 )
 _NOTES_FSDP1 = (
-    "fp32: max abs parameter difference vs single after 20 steps (accumulation 4, clipping, StepLR): "
-    "measured 6e-8 (ceiling 1e-5)",
-    "bf16-mixed vs single's bf16-mixed (autocast): measured max abs parameter difference 2e-3 after 20 steps "
-    "(tolerance 2e-2 used by tests)",
-    "save at step 10 -> resume to 20 equals uninterrupted bitwise (measured 0.0)",
+    "32-true vs single: max abs parameter difference 4.5e-8 after 20 steps (ceiling 1e-5); grad norms rel 1e-7",
+    "bf16-mixed vs single's bf16-mixed (autocast): 1.2e-3 (ceiling 2e-3; bf16 vs fp32 itself differs by 1.9e-2)",
+    "16-mixed vs single's 16-mixed: 1.5e-4 (ceiling 1e-3); an fp16 overflow skips the same steps as single",
+    (
+        "bf16-true vs single's bf16-true: 2.9e-3 (ceiling 1e-2; bf16-true vs fp32 differs by 2.0e-2): gradients "
+        "are reduce-scattered in bf16"
+    ),
+    (
+        "save at step 10 -> resume to 20 equals uninterrupted bitwise (0.0); the world-2 checkpoint resumed in "
+        "one process under single or fsdp1: 3e-8"
+    ),
+    (
+        "cpu_offload is refused on a CPU device: FullyShardedDataParallel pins offloaded shards (pin_memory), "
+        "which raises without an accelerator; fsdp (FSDP2) accepts it"
+    ),
     "Auto-wrapping replaces the chosen submodules of the user's module by FullyShardedDataParallel wrappers",
 )
 
@@ -223,16 +244,6 @@ class _ShardedStrategy(Strategy):
         super().__init__()
         self.options = FSDPOptions(**options)
         self._policy_precision = False
-
-    def validate(self, settings: Any, world_size: int) -> None:
-        if self.options.cpu_offload and settings.accelerator == "cpu":
-            # On a CPU device everything already lives in host memory: the
-            # option would do nothing, and silently ignoring it is worse.
-            raise ConfigurationError(
-                "strategy_options.cpu_offload",
-                "cpu_offload moves shards from the accelerator to host memory, but this run trains on the CPU",
-                "drop cpu_offload, or train on CUDA",
-            )
 
     def validate_model(self, model: torch.nn.Module, settings: Any) -> None:
         if next(model.parameters(), None) is None:
@@ -273,11 +284,11 @@ class _ShardedStrategy(Strategy):
 
     def save_state(self, directory: Path) -> None:
         assert self.model is not None and self.optimizer is not None
-        dcp_save(self._checkpoint_root(), self.optimizer, directory, sharded=True)
+        dcp_save(self._checkpoint_root(), self.optimizer, directory)
 
     def load_state(self, directory: Path) -> None:
         assert self.model is not None and self.optimizer is not None
-        dcp_load(self._checkpoint_root(), self.optimizer, directory, sharded=True)
+        dcp_load(self._checkpoint_root(), self.optimizer, directory)
 
 
 # --------------------------------------------------------------------------- #
@@ -317,7 +328,12 @@ class FSDP2Strategy(_ShardedStrategy):
 
     def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
         module = module.to(env.device)
         mesh = init_device_mesh(env.device.type, (env.world_size,))
@@ -327,7 +343,7 @@ class FSDP2Strategy(_ShardedStrategy):
             inner_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             root_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
         offload = CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if self.options.cpu_offload else OffloadPolicy()
-        common = dict(mesh=mesh, reshard_after_forward=self.options.reshard_after_forward, offload_policy=offload)
+        common = {"mesh": mesh, "reshard_after_forward": self.options.reshard_after_forward, "offload_policy": offload}
         # Children before parents: FSDP2 requires nested units to be sharded
         # bottom-up, and reversed pre-order visits every module after all of
         # its descendants.
@@ -351,12 +367,13 @@ class FSDP2Strategy(_ShardedStrategy):
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         assert self.module is not None
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        params = [p for p in self.module.parameters() if p.grad is not None]
         # DTensor-aware: each rank's partial sum of squares over its shards is
         # all-reduced, so the norm (a replicated DTensor) is the global one.
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
         if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(grads, max_norm, norm, foreach=True)
+            # Takes the parameters (it reads .grad itself), not the gradients.
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -403,14 +420,33 @@ class FSDP1Strategy(_ShardedStrategy):
         )
 
     def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
-        from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (
+            CPUOffload,
+            FullyShardedDataParallel,
+            MixedPrecision,
+            ShardingStrategy,
+        )
         from torch.distributed.fsdp.wrap import CustomPolicy
 
         module = module.to(env.device)
         self._canonical_keys = list(module.state_dict().keys())
+        # With a device mesh, FSDP1's sharded state dict holds DTensors rather
+        # than ShardedTensors. Not optional: DCP drops a ShardedTensor that has
+        # no local shard on a rank (a parameter with fewer rows than ranks,
+        # e.g. a Linear(..., 1) head), mistakes the checkpoint for a pre-2.4
+        # layout and fails the resume with "Missing key ... optim.param_groups".
+        mesh = init_device_mesh(env.device.type, (env.world_size,))
         units = {id(m) for _, m in shard_units(module, self.options.shard_module_classes)}
         self._policy_precision = precision.name == "bf16-mixed"
-        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self._policy_precision else None
+        # cast_forward_inputs: every unit casts its floating inputs to bf16, as
+        # FSDP2 does; otherwise an fp32 activation (e.g. after adding an fp32
+        # buffer) would meet bf16 weights in the next unit.
+        mixed = (
+            MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
+            if self._policy_precision
+            else None
+        )
         self.module = module
         self.model = FullyShardedDataParallel(
             module,
@@ -419,9 +455,26 @@ class FSDP1Strategy(_ShardedStrategy):
             cpu_offload=CPUOffload(offload_params=True) if self.options.cpu_offload else None,
             mixed_precision=mixed,
             device_id=env.device,
+            device_mesh=mesh,
             use_orig_params=True,
         )
         self.optimizer = make_optimizer(self.model.parameters())
+
+    def validate(self, settings: Any, world_size: int) -> None:
+        accelerator = settings.accelerator
+        if accelerator == "auto":
+            accelerator = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.options.cpu_offload and accelerator == "cpu":
+            # Measured (torch 2.13): FSDP1 pins the offloaded flat shards with
+            # pin_memory(), which raises "Cannot access accelerator device when
+            # none is available" at the first forward. Refuse up front instead.
+            raise ConfigurationError(
+                "strategy_options.cpu_offload",
+                f"strategy {self.name!r} (FullyShardedDataParallel) pins offloaded shards in page-locked memory, "
+                "which needs an accelerator; this run trains on the CPU",
+                "drop cpu_offload on CPU (the shards already live in host memory), or use strategy 'fsdp', "
+                "whose CPUOffloadPolicy works on a CPU device",
+            )
 
     def no_sync(self) -> ContextManager[Any]:
         return self.model.no_sync()
@@ -434,7 +487,10 @@ class FSDP1Strategy(_ShardedStrategy):
         return norm.detach().float().cpu()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         # cpu_offload=False: with it, only rank 0 would receive the state.
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
