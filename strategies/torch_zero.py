@@ -8,18 +8,22 @@ broadcasts them to the other ranks at the end of ``step()``.
 Decisions, and why:
 
 * **Building the optimizer.** The trainer hands strategies a factory
-  ``params -> Optimizer``; ``ZeroRedundancyOptimizer`` instead wants an
-  optimizer *class* plus keyword defaults, and builds the per-shard optimizer
-  itself. We call the user's factory once on the parameters as a *probe* (it
-  allocates no state: torch optimizers create state lazily at the first step),
-  read its class, ``defaults`` and ``param_groups``, and build the ZeRO
-  optimizer from the same class, defaults and groups (per-group options
-  included). ``defaults`` are filtered to the keywords the class's constructor
-  accepts (``AdamW.defaults`` carries ``decoupled_weight_decay``, which
-  ``AdamW.__init__`` does not take), and the rebuilt optimizer's ``defaults``
-  must equal the probe's, otherwise we refuse rather than train with a
-  silently different optimizer. The alternative, an option naming the
-  optimizer class, would make the user configure the optimizer twice.
+  ``params -> Optimizer``; ``ZeroRedundancyOptimizer`` (and fairscale's OSS)
+  instead want an optimizer *class* plus keyword defaults, and build the
+  per-shard ("local") optimizer themselves. We call the user's factory once on
+  all parameters (torch optimizers allocate state lazily, so this costs
+  nothing), read its class, ``defaults`` and ``param_groups`` (per-group
+  options included), and give the sharding optimizer the same class, defaults
+  and groups. Its local optimizer is then the user's *own instance*, re-pointed
+  at this rank's share of each group (:meth:`OptimizerRecipe.shard_constructor`):
+  step hooks the user registered on it fire, and counting its ``step()`` calls
+  counts real updates, as under ``ddp``. ``defaults`` are filtered to the
+  keywords the class's constructor accepts (``AdamW.defaults`` carries
+  ``decoupled_weight_decay``, which ``AdamW.__init__`` does not take), and an
+  instance rebuilt from class and defaults must have the user's ``defaults``,
+  otherwise we refuse: checkpoints go through such rebuilt instances. The
+  alternative, an option naming the optimizer class, would make the user
+  configure the optimizer twice.
 * **Checkpoints** use the DCP format of ``ddp`` and ``single`` (keys are the
   module's parameter names, optimizer state keyed by name), so a checkpoint
   written here resumes under ``ddp``, ``single`` or ``torch_zero`` at any world
@@ -39,7 +43,7 @@ are shared by the fairscale OSS strategies, which have the same shape.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
@@ -80,13 +84,15 @@ CONSOLIDATED_DCP_STATE = StateDictDeclaration(
 
 @dataclass(frozen=True)
 class OptimizerRecipe:
-    """What a sharding optimizer needs to rebuild the user's optimizer."""
+    """The user's optimizer, as a sharding optimizer needs it."""
 
     cls: type[torch.optim.Optimizer]
     #: Constructor keywords (``defaults`` filtered to what ``cls.__init__`` accepts).
     defaults: dict[str, Any]
-    #: The probe's parameter groups (shallow copies: same Parameter objects, per-group options).
+    #: The factory's parameter groups (shallow copies: same Parameter objects, per-group options).
     param_groups: list[dict[str, Any]]
+    #: The instance the user's factory returned (becomes this rank's local optimizer).
+    user_optimizer: torch.optim.Optimizer = field(compare=False, repr=False)
 
     @classmethod
     def from_factory(cls, make_optimizer: OptimizerFactory, params: Any, *, strategy: str) -> "OptimizerRecipe":
@@ -97,16 +103,16 @@ class OptimizerRecipe:
                 "pass optimizer=lambda params: torch.optim.AdamW(params, ...)",
             )
         if probe.state:
-            # A factory that steps or loads state would lose it: the probe is dropped.
+            # Re-pointing it at a shard would keep state for parameters it no longer owns.
             raise ConfigurationError(
-                "optimizer", f"strategy {strategy!r} rebuilds the optimizer per shard, but the factory's optimizer already holds state",
+                "optimizer", f"strategy {strategy!r} shards the optimizer, but the factory's optimizer already holds state",
                 "return a freshly constructed optimizer from the factory",
             )
         signature = inspect.signature(type(probe).__init__)
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
         defaults = {k: v for k, v in probe.defaults.items() if takes_any or k in signature.parameters}
         groups = [dict(g, params=list(g["params"])) for g in probe.param_groups]
-        recipe = cls(type(probe), defaults, groups)
+        recipe = cls(type(probe), defaults, groups, probe)
         rebuilt = recipe.build()
         if rebuilt.defaults != probe.defaults:
             raise ConfigurationError(
@@ -118,9 +124,32 @@ class OptimizerRecipe:
         return recipe
 
     def build(self, param_groups: list[dict[str, Any]] | None = None) -> torch.optim.Optimizer:
-        """A plain (unsharded) optimizer of the user's class over ``param_groups``."""
+        """A fresh, plain (unsharded) optimizer of the user's class over ``param_groups``."""
         groups = param_groups if param_groups is not None else self.param_groups
         return self.cls([dict(g, params=list(g["params"])) for g in groups], **self.defaults)
+
+    def shard_constructor(self) -> Callable[..., torch.optim.Optimizer]:
+        """The ``optimizer_class`` to give ZeroRedundancyOptimizer / OSS.
+
+        Both call it once, with this rank's parameter groups and the defaults,
+        to build their local optimizer. The first call returns the user's own
+        instance holding exactly those groups; a later call (a sharding
+        optimizer rebuilding its partition) gets a fresh instance of the class.
+        """
+        adopted = False
+
+        def construct(param_groups: Any, **defaults: Any) -> torch.optim.Optimizer:
+            nonlocal adopted
+            if adopted:
+                return self.cls(param_groups, **defaults)
+            adopted = True
+            optimizer = self.user_optimizer
+            optimizer.param_groups = []
+            for group in param_groups:
+                optimizer.add_param_group(group)
+            return optimizer
+
+        return construct
 
 
 # --------------------------------------------------------------------------- #
@@ -212,30 +241,37 @@ class TorchZeroStrategy(ReplicatedStrategy):
             precision=TRAINER_PRECISION,
             state_dict=CONSOLIDATED_DCP_STATE,
             notes=(
-                "optimizer built from the user's factory: its class, defaults and param groups are read from one "
-                "probe instance and handed to ZeroRedundancyOptimizer(optimizer_class=..., **defaults)",
+                "optimizer: the factory's class, defaults and param groups go to ZeroRedundancyOptimizer, whose local "
+                "optimizer is the factory's own instance re-pointed at this rank's shard",
                 "memory_footprint()['optimizer_state'] is this rank's shard only",
             ),
         )
 
     def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         module = module.to(env.device)
         self.module = module
         self.model = DistributedDataParallel(module, device_ids=[env.device.index] if env.device.type == "cuda" else None)
         self.recipe = OptimizerRecipe.from_factory(make_optimizer, module.parameters(), strategy=self.name)
-        self.optimizer = ZeroRedundancyOptimizer(
-            [dict(g) for g in self.recipe.param_groups], optimizer_class=self.recipe.cls, **self.recipe.defaults
+        self.optimizer = self._sharded_optimizer(self.recipe)
+
+    def _sharded_optimizer(self, recipe: OptimizerRecipe) -> torch.optim.Optimizer:
+        """The sharding optimizer over the recipe's class, defaults and groups."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            [dict(g) for g in recipe.param_groups], optimizer_class=recipe.shard_constructor(), **recipe.defaults
         )
+
+    def _consolidate(self) -> None:
+        """Gather the full optimizer state on rank 0 (collective)."""
+        self.optimizer.consolidate_state_dict(to=0)  # type: ignore[union-attr]
 
     def no_sync(self) -> ContextManager[Any]:
         return self.model.no_sync()
 
     def save_state(self, directory: Path) -> None:
         assert self.module is not None and self.optimizer is not None and self.recipe is not None
-        zero = self.optimizer
-        save_consolidated(self.module, self.recipe, zero, lambda: zero.consolidate_state_dict(to=0), directory)
+        save_consolidated(self.module, self.recipe, self.optimizer, self._consolidate, directory)
 
     def load_state(self, directory: Path) -> None:
         assert self.module is not None and self.optimizer is not None and self.recipe is not None
@@ -243,8 +279,8 @@ class TorchZeroStrategy(ReplicatedStrategy):
 
     def memory_footprint(self) -> dict[str, int]:
         footprint = super().memory_footprint()
-        # ZeroRedundancyOptimizer's own .state is empty: the shard lives in its
-        # local optimizer.
+        # The sharding optimizer's own .state is empty: the shard lives in its
+        # local optimizer (``.optim`` for both ZeroRedundancyOptimizer and OSS).
         footprint["optimizer_state"] = sharded_state_bytes(self.optimizer.optim)  # type: ignore[union-attr]
         return footprint
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 import unison
-from helpers import max_abs_diff, mlp, regression_data, train
+from helpers import mlp, regression_data, train
 
 
 def _shared_tmpdir(prefix: str) -> str:
@@ -46,9 +46,43 @@ def footprint(strategy: str) -> dict[str, int]:
     return probe.footprint
 
 
+def overflow_data() -> torch.utils.data.TensorDataset:
+    """Regression data where one sample overflows fp16 inside the model (a skipped step)."""
+    x, y = regression_data().tensors
+    x = x.clone()
+    x[3] = 7e4  # beyond fp16's max (65504) after the first Linear
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def precision_runs(strategy: str, precisions: tuple[str, ...]) -> dict[str, Any]:
+    """The same run under each trainer-applied precision (plus a forced fp16 overflow)."""
+    out = {p: train(strategy, precision=p) for p in precisions}
+    if "16-mixed" in precisions:
+        out["overflow"] = train(strategy, precision="16-mixed", data=overflow_data(), max_steps=8)
+    return out
+
+
+def factory_optimizer_steps(strategy: str) -> dict[str, int]:
+    """How often the optimizer the user's factory returned really stepped, vs the trainer's count."""
+    built: list[torch.optim.Optimizer] = []
+    steps = [0]
+
+    def make(params):
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        optimizer.register_step_post_hook(lambda *_: steps.__setitem__(0, steps[0] + 1))
+        built.append(optimizer)
+        return optimizer
+
+    trainer = unison.Trainer(strategy=strategy, global_batch_size=8, max_steps=3)
+    progress = trainer.fit(mlp(), regression_data(n=64), loss_fn=torch.nn.functional.mse_loss, optimizer=make)
+    return {"factory_calls": len(built), "steps": steps[0], "trainer_steps": progress.optimizer_steps}
+
+
 def parity_and_resume(strategy: str) -> dict[str, Any]:
     """fp32 parity run, save at 10 -> resume to 20, and resume across ddp in both directions."""
     out: dict[str, Any] = {"fp32": train(strategy)}
+    # Validation runs through the wrapper's forward too (every sample once, reduced over ranks).
+    out["val"] = train(strategy, max_steps=4, val=regression_data(n=72, seed=5), val_every_n_steps=2)
     root = _shared_tmpdir(f"unison-{strategy}-ckpt-")
     train(strategy, max_steps=10, checkpoint_dir=root)
     out["resumed"] = train(strategy, max_steps=20, checkpoint_dir=root, ckpt_path="last")
@@ -59,11 +93,14 @@ def parity_and_resume(strategy: str) -> dict[str, Any]:
     train("ddp", max_steps=10, checkpoint_dir=ddp_root)
     out["from_ddp_ckpt"] = train(strategy, max_steps=20, ckpt_path=Path(ddp_root) / "step-00000010")
     out["ckpt"] = str(step10)
+    out["tmp_dirs"] = [root, ddp_root]
+    out["factory_steps"] = factory_optimizer_steps(strategy)
     return out
 
 
 def torch_zero_world() -> dict[str, Any]:
     out = parity_and_resume("torch_zero")
+    out.update(precision_runs("torch_zero", ("bf16-mixed", "16-mixed")))
     out["footprint"] = {name: footprint(name) for name in ("torch_zero", "ddp")}
     out["footprint_default_mlp"] = train_footprint_default("torch_zero")
     return out
@@ -80,6 +117,7 @@ def train_footprint_default(strategy: str) -> dict[str, int]:
 
 def fairscale_oss_world() -> dict[str, Any]:
     out = parity_and_resume("fairscale_oss")
+    out.update(precision_runs("fairscale_oss", ("bf16-mixed", "16-mixed")))
     out["footprint"] = footprint("fairscale_oss")
     return out
 
@@ -124,10 +162,12 @@ def upstream_sdp_loop(zero_grad_through: str, steps: int = 20, accumulate: int =
 
 def fairscale_sdp_world() -> dict[str, Any]:
     out = parity_and_resume("fairscale_sdp")
+    out.update(precision_runs("fairscale_sdp", ("bf16-mixed", "16-mixed")))
     out["footprint"] = footprint("fairscale_sdp")
     out["upstream_optimizer_zero_grad"] = upstream_sdp_loop("optimizer")
     out["upstream_model_zero_grad"] = upstream_sdp_loop("model")
+    out["upstream_optimizer_zero_grad_no_accumulation"] = upstream_sdp_loop("optimizer", accumulate=1)
+    out["upstream_model_zero_grad_no_accumulation"] = upstream_sdp_loop("model", accumulate=1)
     return out
 
 
-__all__ = ["fairscale_oss_world", "fairscale_sdp_world", "max_abs_diff", "torch_zero_world", "upstream_sdp_loop"]
