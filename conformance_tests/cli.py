@@ -1,1 +1,73 @@
-"""(in progress)"""
+"""``unison conformance``: certify strategies from the command line.
+
+This module is a plugin (entry point ``conformance`` of the ``unison`` group):
+it implements ``unison_add_cli_commands`` so the core CLI never imports the
+suite. Importing it is cheap on purpose (every plugin manager loads it); the
+suite itself is imported only when the command runs.
+
+Example::
+
+    unison conformance --strategy ddp,fsdp --world-size 2 --report ./conformance-report
+
+Exit status: 0 when every strategy that claims conformance passed every
+scenario it supports; 1 when any such scenario failed. Strategies unavailable
+here are reported as skipped, declared-unsupported scenarios as unsupported,
+and failures of strategies whose ownership declares them non-conformant are
+shown but do not change the exit status.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from unison.plugin import hookimpl
+
+
+def _split(values: tuple[str, ...]) -> list[str]:
+    return [v.strip() for value in values for v in value.split(",") if v.strip()]
+
+
+def _command() -> Any:
+    import click
+
+    @click.command("conformance")
+    @click.option("--strategy", "strategies", multiple=True, required=True,
+                  help="Strategy name(s) to certify, comma-separated or repeated.")
+    @click.option("--world-size", type=click.IntRange(1), default=2, show_default=True,
+                  help="Ranks of each strategy's world.")
+    @click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None,
+                  help="Write report.json and report.html into this directory.")
+    @click.option("--scenario", "scenarios", multiple=True,
+                  help="Only these scenarios (comma-separated or repeated); all by default.")
+    @click.option("--plugin", "plugins", multiple=True,
+                  help="Import and register these modules as plugins (third-party strategies not installed).")
+    @click.option("--timeout", type=float, default=300.0, show_default=True,
+                  help="Seconds one world may take before it is killed.")
+    def conformance(strategies: tuple[str, ...], world_size: int, report_dir: str | None,
+                    scenarios: tuple[str, ...], plugins: tuple[str, ...], timeout: float) -> None:
+        """Run the conformance suite: each strategy against the single-process reference."""
+        from rich.console import Console
+        from unison.conformance.report import certify
+
+        # One thread per rank: the ranks of a world share this machine's cores.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        try:
+            report = certify(
+                _split(strategies), world_size=world_size, scenarios=_split(scenarios) or None,
+                plugins=_split(plugins), report_dir=report_dir, timeout=timeout,
+            )
+        except KeyError as exc:  # an unknown scenario name
+            raise click.BadParameter(str(exc.args[0]), param_hint="--scenario") from None
+        console = Console()
+        report.print_table(console)
+        if report_dir:
+            console.print(f"report: {os.path.join(report_dir, 'report.html')} and report.json")
+        raise SystemExit(report.exit_code)
+
+    return conformance
+
+
+@hookimpl
+def unison_add_cli_commands(cli: Any) -> None:
+    cli.add_command(_command())

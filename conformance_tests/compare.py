@@ -1,0 +1,657 @@
+"""Judging traces: explicit tolerances, and declarations verified rather than trusted.
+
+A strategy passes a scenario when every check below holds; every failed check
+is a :class:`Divergence` naming the scenario, the run, the quantity, the step
+and both values, so a report points at the first place the strategy left the
+reference.
+
+What is compared (see :mod:`unison.conformance.scenarios` for the run roles):
+
+* against the ``twin`` reference run (same shape): the hook sequence, the
+  optimizer and scheduler step counts, every per-step number and the final
+  canonical state;
+* against the ``truth`` (uninterrupted) run: per-step numbers matched by step
+  index and, when both end at the same step, the final state;
+* against ``same_as`` strategy runs: final state and per-step numbers
+  (save -> resume equals uninterrupted);
+* on every rank: the same per-step numbers and hook sequence as rank 0; the
+  optimizer the user's factory built was really stepped in every counted
+  optimizer step and in no skipped one; the scheduler's ``last_epoch`` equals the counted scheduler
+  steps; the grad norm given to ``unison_on_before_optimizer_step`` is the one
+  reported for the step;
+* declarations: trainer-owned accumulation issues no gradient all-reduce or
+  reduce-scatter inside ``no_sync()`` and at least one at the boundary (with
+  more than one data-parallel rank), and as many gradient collectives per
+  optimizer step as the same model without accumulation (``same_sync_as``);
+  engine-owned accumulation answers ``is_accumulation_boundary()`` exactly at
+  the last micro-step; a declared reshardable state_dict resumes at another
+  world size (the ``reshard`` scenario); a declared-unsupported precision is
+  refused with a ConfigurationError naming it before any process group, and a
+  declared-supported one is accepted.
+
+Tolerances (:data:`TOLERANCES`) are ceilings per precision, measured on torch
+2.13 CPU/gloo with ``ddp`` at world size 2 against ``single``:
+
+========== ============ ========== =============== ===============================
+precision  param (abs)  loss (rel) grad norm (rel) measured: ddp, world 2, 6 steps
+========== ============ ========== =============== ===============================
+32-true    1e-5         1e-5       1e-5            param 6e-8, loss 1.9e-7, norm 1e-7
+bf16-mixed 5e-3         1e-2       1e-2            param 1.3e-4, loss 2.1e-3, norm 8.9e-4
+16-mixed   1e-3         2e-3       2e-3            param 2.2e-5, loss 3.9e-4, norm 2.5e-4
+bf16-true  5e-2         5e-2       5e-2            (no scenario; for precision plugins)
+========== ============ ========== =============== ===============================
+
+Why bf16 is looser: autocast rounds every matmul output to 8 mantissa bits
+(relative step 2**-8 = 3.9e-3; losses are compared per micro-batch too, the
+2.1e-3 above). A data-parallel rank multiplies half of the
+micro-batch, so its weight gradient is a bf16 sum over fewer rows and rounds
+differently from the reference's single product; AdamW then turns a one-ulp
+gradient difference into up to an lr-sized parameter difference (lr = 1e-2).
+The ceilings are about 2.5 bf16 ulps for the loss and norm (2**-8 each) and
+roughly 40x the measured parameter deviation, leaving room for engines that
+keep bf16 parameters with fp32 master weights instead of autocast. fp16 has 11
+mantissa bits (4.9e-4), hence the tighter ceilings; its per-rank activation
+gradients are also larger than the reference's (each rank's loss is a mean
+over fewer samples) but never overflow in the scenario (its premise). The fp32 ceiling
+is the one the product promises; it is never loosened.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from unison.conformance.runner import StrategyResult
+from unison.conformance.scenarios import Run, Scenario
+from unison.ownership import AccumulationOwner
+
+#: Denominator floor of the relative comparisons.
+RELATIVE_FLOOR = 1e-3
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Ceilings for one precision: ``|a - b| <= tol * max(|b|, 1e-3)``, except ``param`` (absolute)."""
+
+    #: Max abs difference of any floating tensor of the canonical state.
+    param: float
+    #: Per-step loss and every micro-batch loss.
+    loss: float
+    #: Per-step global grad norm.
+    grad_norm: float
+    #: Learning rates are computed, not measured: they must agree to round-off.
+    lr: float = 1e-9
+
+
+TOLERANCES: dict[str, Tolerance] = {
+    "32-true": Tolerance(param=1e-5, loss=1e-5, grad_norm=1e-5),
+    "bf16-mixed": Tolerance(param=5e-3, loss=1e-2, grad_norm=1e-2),
+    "16-mixed": Tolerance(param=1e-3, loss=2e-3, grad_norm=2e-3),
+    "bf16-true": Tolerance(param=5e-2, loss=5e-2, grad_norm=5e-2),
+}
+
+
+def tolerance_for(precision: str) -> Tolerance:
+    try:
+        return TOLERANCES[precision]
+    except KeyError:
+        raise KeyError(f"no tolerance is defined for precision {precision!r}; known: {sorted(TOLERANCES)}") from None
+
+
+# --------------------------------------------------------------------------- #
+# Results
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class Divergence:
+    """One failed check."""
+
+    scenario: str
+    run: str
+    quantity: str
+    step: int | None = None
+    expected: Any = None
+    got: Any = None
+    deviation: float | None = None
+    tolerance: float | None = None
+    against: str | None = None
+    note: str | None = None
+
+    def message(self) -> str:
+        where = f"scenario {self.scenario!r}, run {self.run}"
+        if self.against:
+            where += f" vs {self.against}"
+        what = f"{self.quantity}"
+        if self.step is not None:
+            what += f" at step {self.step}"
+        parts = [f"{where}: {what}"]
+        if self.expected is not None or self.got is not None:
+            parts.append(f"expected {_fmt(self.expected)}, got {_fmt(self.got)}")
+        if self.deviation is not None and self.tolerance is not None:
+            parts.append(f"|diff| {self.deviation:.3g} > tolerance {self.tolerance:.3g}")
+        if self.note:
+            parts.append(self.note)
+        return ": ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if len(parts) > 2 else "")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario, "run": self.run, "quantity": self.quantity, "step": self.step,
+            "expected": _plain(self.expected), "got": _plain(self.got), "deviation": self.deviation,
+            "tolerance": self.tolerance, "against": self.against, "note": self.note, "message": self.message(),
+        }
+
+
+@dataclass
+class Verdict:
+    """The outcome of one scenario for one strategy."""
+
+    scenario: str
+    strategy: str
+    #: ``"pass"``, ``"fail"``, ``"unsupported"`` (declared, with the reason) or
+    #: ``"skipped"`` (the strategy is unavailable here).
+    status: str
+    reason: str | None = None
+    divergences: list[Divergence] = field(default_factory=list)
+    #: Largest |parameter difference| against any reference run compared.
+    max_param_deviation: float | None = None
+    #: Largest relative loss difference against any reference run compared.
+    max_loss_deviation: float | None = None
+    #: What was verified, in words (shown in the HTML report).
+    checks: list[str] = field(default_factory=list)
+    #: Gradient collectives per optimizer step on rank 0 (trainer-owned accumulation).
+    gradient_sync_per_step: list[int] | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+    def summary(self) -> str:
+        if self.status == "pass":
+            dev = "" if self.max_param_deviation is None else f" (max |dθ| {self.max_param_deviation:.1e})"
+            return "pass" + dev
+        if self.status == "fail":
+            return "FAIL: " + (self.divergences[0].message() if self.divergences else (self.reason or "?"))
+        return f"{self.status}: {self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario, "strategy": self.strategy, "status": self.status, "reason": self.reason,
+            "max_param_deviation": self.max_param_deviation, "max_loss_deviation": self.max_loss_deviation,
+            "divergences": [d.to_dict() for d in self.divergences], "checks": self.checks,
+            "gradient_sync_per_step": self.gradient_sync_per_step, "summary": self.summary(),
+        }
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list) and len(value) > 12:
+        return f"[{', '.join(map(str, value[:12]))}, ... ({len(value)} items)]"
+    return str(value)
+
+
+# --------------------------------------------------------------------------- #
+# Primitive comparisons
+# --------------------------------------------------------------------------- #
+
+
+class _Checker:
+    """Accumulates divergences and deviations for one scenario."""
+
+    def __init__(self, scenario: Scenario, tol: Tolerance) -> None:
+        self.scenario = scenario
+        self.tol = tol
+        self.divergences: list[Divergence] = []
+        self.max_param: float | None = None
+        self.max_loss: float | None = None
+        self.checks: list[str] = []
+
+    def fail(self, run: str, quantity: str, **kw: Any) -> None:
+        self.divergences.append(Divergence(self.scenario.name, run, quantity, **kw))
+
+    def _close(self, run: str, against: str, quantity: str, step: int | None, a: float, b: float, tol: float,
+               track_loss: bool = False) -> None:
+        if not (math.isfinite(a) and math.isfinite(b)):
+            # fp16 overflow steps: both must be non-finite (nan and inf alike).
+            if math.isfinite(a) != math.isfinite(b):
+                self.fail(run, quantity, step=step, expected=b, got=a, against=against,
+                          note="one is finite, the other is not")
+            return
+        # Relative, with a floor far below every scenario's losses and norms:
+        # an absolute floor of 1 would make the check blind for small losses
+        # (the fp16 scenario's are ~1e-2).
+        dev = abs(a - b) / max(abs(b), RELATIVE_FLOOR)
+        if track_loss:
+            self.max_loss = dev if self.max_loss is None else max(self.max_loss, dev)
+        if dev > tol:
+            self.fail(run, quantity, step=step, expected=b, got=a, deviation=dev, tolerance=tol, against=against)
+
+    def steps(self, run: str, trace: dict[str, Any], ref: dict[str, Any], against: str, *, exact_range: bool) -> None:
+        """Per-step numbers of ``trace`` against ``ref``, matched by step index."""
+        got = {s["step"]: s for s in trace.get("steps", [])}
+        want = {s["step"]: s for s in ref.get("steps", [])}
+        if exact_range and sorted(got) != sorted(want):
+            self.fail(run, "steps run", expected=sorted(want), got=sorted(got), against=against)
+        if not got:
+            self.fail(run, "steps run", expected="at least one step", got=[], against=against)
+        for step in sorted(got):
+            a = got[step]
+            if step not in want:
+                if not exact_range:
+                    self.fail(run, "steps run", step=step, against=against, note="the reference has no such step")
+                continue
+            b = want[step]
+            if a["skipped"] != b["skipped"]:
+                self.fail(run, "skipped", step=step, expected=b["skipped"], got=a["skipped"], against=against)
+            self._close(run, against, "loss", step, a["loss"], b["loss"], self.tol.loss, track_loss=True)
+            if len(a["micro_losses"]) != len(b["micro_losses"]):
+                self.fail(run, "micro-batch count", step=step, expected=len(b["micro_losses"]),
+                          got=len(a["micro_losses"]), against=against)
+            else:
+                for i, (x, y) in enumerate(zip(a["micro_losses"], b["micro_losses"])):
+                    self._close(run, against, f"micro-batch {i} loss", step, x, y, self.tol.loss)
+            self._close(run, against, "grad_norm", step, a["grad_norm"], b["grad_norm"], self.tol.grad_norm)
+            if len(a["lrs"]) != len(b["lrs"]):
+                self.fail(run, "parameter groups", step=step, expected=len(b["lrs"]), got=len(a["lrs"]), against=against)
+            else:
+                for g, (x, y) in enumerate(zip(a["lrs"], b["lrs"])):
+                    self._close(run, against, f"lr (group {g})", step, x, y, self.tol.lr)
+
+    def state(self, run: str, got: dict[str, torch.Tensor] | None, want: dict[str, torch.Tensor] | None,
+              against: str, *, track: bool = True) -> None:
+        """Final canonical state dicts: same names, shapes and values within ``tol.param``."""
+        if got is None or want is None:
+            self.fail(run, "final state", against=against, note="missing (the run produced no state)")
+            return
+        if set(got) != set(want):
+            missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+            self.fail(run, "state_dict keys", expected=f"missing {missing}", got=f"extra {extra}", against=against)
+        worst_name, worst = None, 0.0
+        for name in sorted(set(got) & set(want)):
+            a, b = got[name], want[name]
+            if tuple(a.shape) != tuple(b.shape):
+                self.fail(run, f"state[{name!r}] shape", expected=tuple(b.shape), got=tuple(a.shape), against=against)
+                continue
+            if a.is_floating_point() != b.is_floating_point():
+                self.fail(run, f"state[{name!r}] dtype", expected=str(b.dtype), got=str(a.dtype), against=against)
+                continue
+            if not a.is_floating_point():
+                if not torch.equal(a, b):
+                    self.fail(run, f"state[{name!r}]", expected=b.tolist(), got=a.tolist(), against=against)
+                continue
+            if a.numel() == 0:
+                continue
+            diff = (a.double() - b.double()).abs()
+            dev = float(diff.max()) if bool(torch.isfinite(diff).all()) else math.inf
+            if dev > worst or worst_name is None:
+                worst_name, worst = name, max(worst, dev)
+            if dev > self.tol.param:
+                self.fail(run, f"final parameter {name!r}", deviation=dev, tolerance=self.tol.param, against=against,
+                          note="max abs difference of the canonical (fp32) state")
+        if track:
+            self.max_param = worst if self.max_param is None else max(self.max_param, worst)
+
+
+# --------------------------------------------------------------------------- #
+# Scenario judgement
+# --------------------------------------------------------------------------- #
+
+
+def _label(backend: str, run_id: str) -> str:
+    return f"{backend}:{run_id}"
+
+
+def _error_line(trace: dict[str, Any]) -> str:
+    text = (trace.get("error") or trace.get("reason") or "").strip()
+    return text.splitlines()[-1] if text else "unknown error"
+
+
+def _check_premises(c: _Checker, scenario: Scenario, ref_runs: dict[str, dict[str, Any]]) -> None:
+    ref_first = ref_runs[scenario.runs[0].id]
+    steps = ref_first.get("steps", [])
+    if "clips" in scenario.premises:
+        c.checks.append(f"premise: the reference's pre-clip norm exceeds {scenario.grad_clip_norm} at every step")
+        for s in steps:
+            if not s["grad_norm"] > (scenario.grad_clip_norm or 0.0):
+                c.fail("reference", "premise: clipping clips", step=s["step"],
+                       note=f"reference grad norm {s['grad_norm']:.4g} <= clip {scenario.grad_clip_norm}")
+        control = ref_runs.get("unclipped")
+        if control is not None and control.get("state") is not None and ref_first.get("state") is not None:
+            c.checks.append("premise: the clipped reference ends far (> 100x the parameter tolerance) from its "
+                            "unclipped control run")
+            dev = max(float((ref_first["state"][k].double() - control["state"][k].double()).abs().max())
+                      for k in ref_first["state"] if ref_first["state"][k].is_floating_point())
+            if dev <= 100 * c.tol.param:
+                c.fail("reference", "premise: clipping changes the update", deviation=dev,
+                       note=f"the clipped and unclipped reference runs end {dev:.3g} apart: clipping clipped nothing")
+    if "overflow" in scenario.premises:
+        poison = scenario.poison_step()
+        c.checks.append(f"premise: the reference skips exactly step {poison} (fp16 overflow) and its scheduler "
+                        "does not advance there")
+        skipped = [s["step"] for s in steps if s["skipped"]]
+        if skipped != [poison]:
+            c.fail("reference", "premise: overflow skips one step", expected=[poison], got=skipped)
+        counts = ref_first.get("counts", {})
+        expected = len(steps) - 1
+        if counts.get("optimizer_steps") != expected or counts.get("scheduler_steps") != expected:
+            c.fail("reference", "premise: skipped step not counted", expected=expected,
+                   got=(counts.get("optimizer_steps"), counts.get("scheduler_steps")))
+
+
+def _check_rank_consistency(c: _Checker, label: str, trace: dict[str, Any]) -> None:
+    ranks = trace.get("ranks") or [trace]
+    for r, rt in enumerate(ranks):
+        if rt.get("status") != "ok":
+            c.fail(label, f"rank {r} status", expected="ok", got=rt.get("status"))
+            continue
+        if rt.get("hooks") != trace.get("hooks"):
+            c.fail(label, f"hook sequence on rank {r}", note="differs from rank 0's")
+        if not _same_steps(rt.get("steps"), trace.get("steps")):
+            c.fail(label, f"per-step numbers on rank {r}", note="differ from rank 0's (must be identical on every rank)")
+        counts = rt.get("counts") or {}
+        done = counts.get("optimizer_steps", 0) - counts.get("optimizer_steps_at_start", 0)
+        if counts.get("optimizers_built", 1) == 0:
+            c.fail(label, f"optimizer on rank {r}", expected="built by the user's optimizer factory",
+                   got="the factory was never called")
+        elif counts.get("optimizer_updates_observed") != done:
+            c.fail(label, f"real optimizer updates on rank {r}", expected=done,
+                   got=counts.get("optimizer_updates_observed"),
+                   note="optimizer steps in which the optimizer built by the user's factory was stepped, "
+                        "vs the trainer's count")
+        for s in rt.get("steps") or []:
+            if s["skipped"] and s.get("optimizer_step_calls"):
+                c.fail(label, f"optimizer stepped on a skipped step on rank {r}", step=s["step"],
+                       expected=0, got=s["optimizer_step_calls"])
+        last_epoch = counts.get("scheduler_last_epoch")
+        if last_epoch is not None and last_epoch != counts.get("scheduler_steps"):
+            c.fail(label, f"scheduler steps on rank {r}", expected=counts.get("scheduler_steps"), got=last_epoch,
+                   note="the scheduler's last_epoch vs the trainer's count")
+    for s in trace.get("steps", []):
+        hn = s.get("hook_grad_norm")
+        if hn is None or not ((math.isnan(hn) and math.isnan(s["grad_norm"])) or hn == s["grad_norm"]):
+            c.fail(label, "grad norm given to unison_on_before_optimizer_step", step=s["step"],
+                   expected=s["grad_norm"], got=hn)
+
+
+def _same_steps(a: Any, b: Any) -> bool:
+    """Exact equality of per-step records, where nan equals nan (skipped fp16 steps)."""
+    def norm(x: Any) -> Any:
+        if isinstance(x, float) and math.isnan(x):
+            return "nan"
+        if isinstance(x, dict):
+            # How often an engine calls step() per update is its own business.
+            return {k: norm(v) for k, v in x.items() if k != "optimizer_step_calls"}
+        if isinstance(x, list):
+            return [norm(v) for v in x]
+        return x
+    return norm(a) == norm(b)
+
+
+def _check_accumulation(c: _Checker, scenario: Scenario, label: str, trace: dict[str, Any],
+                        data_parallel: bool) -> None:
+    owner = trace.get("accumulation_owner")
+    a = scenario.accumulate_grad_batches
+    n_steps = len(trace.get("steps", []))
+    if owner == AccumulationOwner.ENGINE.value and a > 1:
+        expected = ([False] * (a - 1) + [True]) * n_steps
+        c.checks.append(f"{label}: engine boundary answered at the last of {a} micro-steps only")
+        for r, rt in enumerate(trace.get("ranks") or [trace]):
+            if rt.get("boundaries") != expected:
+                c.fail(label, f"is_accumulation_boundary() on rank {r}", expected=expected, got=rt.get("boundaries"))
+    if owner != AccumulationOwner.TRAINER.value or not data_parallel:
+        return
+    if a > 1:
+        c.checks.append(f"{label}: no gradient all-reduce/reduce-scatter inside no_sync() on any rank")
+    c.checks.append(f"{label}: at least one gradient collective per optimizer step")
+    for r, rt in enumerate(trace.get("ranks") or [trace]):
+        coll = rt.get("collectives")
+        if not coll:
+            c.fail(label, f"collective counts on rank {r}", note="not recorded")
+            continue
+        if a > 1:
+            expected_entries = (a - 1) * n_steps
+            if coll["no_sync_entries"] != expected_entries:
+                c.fail(label, f"no_sync() entries on rank {r}", expected=expected_entries, got=coll["no_sync_entries"])
+            if coll["gradient_sync_in_no_sync"]:
+                c.fail(label, f"gradient collectives inside no_sync() on rank {r}", expected=0,
+                       got=coll["gradient_sync_in_no_sync"],
+                       note="trainer-owned accumulation must skip gradient sync on non-boundary micro-steps")
+        per_step = coll["gradient_sync_per_step"]
+        for step, n in enumerate(per_step):
+            if n < 1:
+                c.fail(label, f"gradient collectives on rank {r}", step=step, expected=">= 1", got=n,
+                       note="gradients were never synchronised")
+
+
+def judge_scenario(
+    scenario: Scenario,
+    result: StrategyResult,
+    reference: dict[str, dict[str, dict[str, Any]]],
+) -> Verdict:
+    """The verdict of ``scenario`` for the strategy measured in ``result``."""
+    v = Verdict(scenario.name, result.name, "pass")
+    if result.status == "skipped":
+        v.status, v.reason = "skipped", result.reason
+        return v
+    if result.status != "ran":
+        v.status, v.reason = "fail", result.reason
+        return v
+    own = result.ownership or {}
+    if scenario.kind == "declarations":
+        return _judge_declarations(scenario, result, v)
+    support = own.get("precision", {}).get(scenario.precision)
+    if support is not None and support["owner"] == "unsupported":
+        v.status, v.reason = "unsupported", f"{scenario.precision} declared unsupported: {support['detail']}"
+        return v
+    if scenario.requires_reshardable and not own.get("state_dict", {}).get("reshardable"):
+        v.status, v.reason = "unsupported", "the strategy declares its state_dict not reshardable"
+        return v
+
+    c = _Checker(scenario, tolerance_for(scenario.precision))
+    ref_runs = reference.get(scenario.name, {})
+    for run in scenario.runs:
+        if run.backend == "reference" and not (run.resume_from or "").startswith("strategy:"):
+            t = ref_runs.get(run.id)
+            if t is None or t["status"] != "ok":
+                c.fail(_label("reference", run.id), "reference run",
+                       note=f"the reference itself failed: {_error_line(t or {})}")
+    if c.divergences:
+        return _finish(v, c)
+    _check_premises(c, scenario, ref_runs)
+
+    strat = result.traces.get(scenario.name, {})
+    # A strategy refusing this scenario's configuration before training
+    # (its validate/validate_model): the scenario is unsupported. A refusal of
+    # the other world size only drops that run: the checkpoint is still
+    # verified at that world size under single (the reshard scenario).
+    refused_alt: set[str] = set()
+    for run in scenario.runs:
+        t = strat.get(run.id) if run.backend == "strategy" else None
+        if t is not None and t["status"] == "unsupported":
+            if run.world == "alt":
+                refused_alt.add(run.id)
+                c.checks.append(f"strategy:{run.id} refused world size {result.alt_world_size} ({t['reason']}); "
+                                "the world-size change is verified under single only")
+                continue
+            v.status, v.reason = "unsupported", f"refused before training: {t['reason']}"
+            return v
+
+    for run in scenario.runs:
+        label = _label(run.backend, run.id)
+        if run.id in refused_alt and run.backend == "strategy":
+            continue
+        if run.backend == "strategy":
+            t = strat.get(run.id)
+            world_error = result.world_errors.get(run.world)
+        else:
+            if not (run.resume_from or "").startswith("strategy:"):
+                # Pure reference runs: only their own resume exactness is checked.
+                t = ref_runs.get(run.id)
+                world_error = None
+                if run.truth is not None and t is not None:
+                    _compare_to_truth(c, scenario, run, label, t, ref_runs)
+                continue
+            t = result.reference_traces.get(scenario.name, {}).get(run.id)
+            world_error = None
+        if t is None:
+            c.fail(label, "run", note=f"did not execute: {world_error or 'no trace'}")
+            continue
+        if t["status"] != "ok":
+            c.fail(label, "run", note=f"{t['status']}: {_error_line(t)}")
+            continue
+        _check_rank_consistency(c, label, t)
+        data_parallel = t.get("world_size", 1) > 1
+        _check_accumulation(c, scenario, label, t, data_parallel)
+        if run.twin is not None:
+            twin = ref_runs.get(run.twin)
+            against = _label("reference", run.twin)
+            if twin is None or twin["status"] != "ok":
+                c.fail(label, "twin", note=f"reference run {run.twin!r} missing")
+            else:
+                if t["hooks"] != twin["hooks"]:
+                    c.fail(label, "hook sequence", expected=_first_difference(twin["hooks"], t["hooks"])[0],
+                           got=_first_difference(twin["hooks"], t["hooks"])[1], against=against,
+                           note=f"first difference at call {_first_difference(twin['hooks'], t['hooks'])[2]}")
+                for key in ("optimizer_steps", "scheduler_steps"):
+                    if t["counts"][key] != twin["counts"][key]:
+                        c.fail(label, key.replace("_", " "), expected=twin["counts"][key], got=t["counts"][key],
+                               against=against)
+                c.steps(label, t, twin, against, exact_range=True)
+                c.state(label, t.get("state"), twin.get("state"), against)
+        if run.truth is not None:
+            _compare_to_truth(c, scenario, run, label, t, ref_runs)
+        for other in run.same_as:
+            o = strat.get(other)
+            against = _label("strategy", other)
+            if o is None or o["status"] != "ok":
+                c.fail(label, "same_as", note=f"strategy run {other!r} missing")
+                continue
+            c.steps(label, t, o, against, exact_range=False)
+            c.state(label, t.get("state"), o.get("state"), against, track=False)
+        c.checks.append(_describe_run_checks(run))
+
+    if scenario.same_sync_as:
+        _check_same_sync(c, scenario, result, v)
+    main = strat.get(next((r.id for r in scenario.runs if r.backend == "strategy"), ""), {})
+    if main.get("collectives"):
+        v.gradient_sync_per_step = main["collectives"]["gradient_sync_per_step"]
+    return _finish(v, c)
+
+
+def _compare_to_truth(c: _Checker, scenario: Scenario, run: Run, label: str, t: dict[str, Any],
+                      ref_runs: dict[str, dict[str, Any]]) -> None:
+    truth = ref_runs.get(run.truth or "")
+    against = _label("reference", run.truth or "?")
+    if truth is None or truth["status"] != "ok":
+        c.fail(label, "truth", note=f"reference run {run.truth!r} missing")
+        return
+    if t.get("status") != "ok":
+        c.fail(label, "run", note=f"{t.get('status')}: {_error_line(t)}")
+        return
+    c.steps(label, t, truth, against, exact_range=False)
+    last = max((s["step"] for s in t.get("steps", [])), default=None)
+    truth_last = max((s["step"] for s in truth.get("steps", [])), default=None)
+    if last is not None and last == truth_last:
+        c.state(label, t.get("state"), truth.get("state"), against)
+
+
+def _check_same_sync(c: _Checker, scenario: Scenario, result: StrategyResult, v: Verdict) -> None:
+    other = result.traces.get(scenario.same_sync_as or "", {}).get("main")
+    mine = result.traces.get(scenario.name, {}).get("main")
+    if not other or not mine or other.get("status") != "ok" or mine.get("status") != "ok":
+        return
+    if mine.get("accumulation_owner") != AccumulationOwner.TRAINER.value or mine.get("world_size", 1) < 2:
+        return
+    c.checks.append(f"gradient collectives per optimizer step equal those of {scenario.same_sync_as!r} "
+                    f"(accumulation 1): one sync per optimizer step, not per micro-step")
+    for r, (a, b) in enumerate(zip(mine.get("ranks") or [mine], other.get("ranks") or [other])):
+        ga = (a.get("collectives") or {}).get("gradient_sync_per_step")
+        gb = (b.get("collectives") or {}).get("gradient_sync_per_step")
+        if ga is None or gb is None:
+            continue
+        if ga != gb[: len(ga)]:
+            step = next((i for i, (x, y) in enumerate(zip(ga, gb)) if x != y), None)
+            c.fail(_label("strategy", "main"), f"gradient collectives per optimizer step on rank {r}", step=step,
+                   expected=gb[: len(ga)], got=ga, against=f"scenario {scenario.same_sync_as!r}")
+
+
+def _describe_run_checks(run: Run) -> str:
+    parts = []
+    if run.twin:
+        parts.append(f"hooks, step counts, per-step loss/lr/grad norm and final state = reference:{run.twin}")
+    if run.truth:
+        parts.append(f"per-step numbers and final state = reference:{run.truth} (uninterrupted)")
+    if run.same_as:
+        parts.append(f"final state = strategy:{', strategy:'.join(run.same_as)}")
+    return f"{run.backend}:{run.id}: " + "; ".join(parts) if parts else f"{run.backend}:{run.id}: ran"
+
+
+def _first_difference(a: list[str], b: list[str]) -> tuple[Any, Any, int]:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return x, y, i
+    n = min(len(a), len(b))
+    return (a[n] if n < len(a) else "(end)"), (b[n] if n < len(b) else "(end)"), n
+
+
+def _finish(v: Verdict, c: _Checker) -> Verdict:
+    # Earliest step first (stable: checks without a step keep their order, last),
+    # so the first divergence reported is where the strategy first left the reference.
+    v.divergences = sorted(c.divergences, key=lambda d: math.inf if d.step is None else d.step)
+    v.max_param_deviation = c.max_param
+    v.max_loss_deviation = c.max_loss
+    v.checks = c.checks
+    if c.divergences:
+        v.status = "fail"
+        v.reason = c.divergences[0].message()
+    return v
+
+
+def _judge_declarations(scenario: Scenario, result: StrategyResult, v: Verdict) -> Verdict:
+    c = _Checker(scenario, tolerance_for("32-true"))
+    outcomes = result.declarations
+    if not outcomes:
+        c.fail("declarations", "precision declarations", note="not checked")
+    for o in outcomes:
+        p, raised = o["precision"], o["raised"]
+        label = f"Trainer(precision={p!r})"
+        if o["process_group_started"]:
+            c.fail(label, "process group", note="building the Trainer started a process group")
+        if o["declared"] == "unsupported":
+            c.checks.append(f"{p}: declared unsupported ({o['detail']}): ConfigurationError at construction")
+            if raised is None:
+                c.fail(label, "declared-unsupported precision", expected="ConfigurationError", got="accepted")
+            elif not raised["is_configuration_error"]:
+                c.fail(label, "declared-unsupported precision", expected="ConfigurationError", got=raised["type"],
+                       note=raised["message"])
+            elif p not in raised["message"]:
+                c.fail(label, "error message", note=f"does not name the precision: {raised['message']}")
+        else:
+            c.checks.append(f"{p}: declared supported ({o['owner']}): accepted at construction")
+            if raised is not None:
+                c.fail(label, "declared-supported precision", expected="accepted",
+                       got=f"{raised['type']}: {raised['message']}",
+                       note="the strategy refuses a precision its Ownership declares supported")
+    if not c.divergences and not any(o["declared"] == "unsupported" for o in outcomes):
+        v.reason = "no precision declared unsupported; every declared one is accepted"
+    return _finish(v, c)
+
+
+def judge(result: StrategyResult, reference: dict[str, dict[str, dict[str, Any]]],
+          scenarios: Iterable[Scenario]) -> dict[str, Verdict]:
+    """Every scenario's verdict for one strategy."""
+    return {s.name: judge_scenario(s, result, reference) for s in scenarios}
+
+
+__all__ = ["TOLERANCES", "Divergence", "Tolerance", "Verdict", "judge", "judge_scenario", "tolerance_for"]

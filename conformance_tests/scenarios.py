@@ -1,0 +1,461 @@
+"""The scenario catalogue: what "trains identically" means, one scenario at a time.
+
+Each :class:`Scenario` fixes a tiny model, a dataset, an optimizer, the trainer
+settings and a list of :class:`Run` values: the fits to execute under the
+reference (``single``) and under the strategy being certified, and which runs
+must agree with which. The runner executes the runs, the comparison applies the
+checks; this module only *describes*.
+
+Sizes scale with the world sizes involved (:class:`Sizing`): every micro-batch
+holds ``4 * lcm(world_size, alt_world_size)`` samples, so it splits evenly
+over the data-parallel ranks of the main world and of the world a reshardable
+checkpoint is resumed at, and the single-process reference sees exactly the
+same global batches.
+
+Models (all tiny, all built from one seed so every rank and the reference start
+from the same weights):
+
+* ``mlp``: three ``Linear`` layers with ``Tanh``; an ``nn.Sequential`` so that
+  pipeline strategies can split it.
+* ``batchnorm``: an MLP with a :class:`RunningStatsBatchNorm1d` (buffers).
+  Why not plain ``BatchNorm1d`` in training mode: each data-parallel rank would
+  normalise with the statistics of its own slice of the micro-batch, which is
+  not what one process on the full batch computes, so no strategy could match
+  the reference (the divergence is a modelling choice, not a backend defect).
+  ``SyncBatchNorm`` would fix that but refuses CPU tensors in torch 2.13 ("expected
+  input tensor to be on GPU"), so it cannot run on gloo. The layer therefore
+  always normalises with its running statistics (as BatchNorm does in eval
+  mode, whatever ``.train()`` says): the buffers are real, non-trivial (seeded,
+  not 0/1), saved, loaded, broadcast and compared, and the affine parameters
+  train.
+* ``frozen``: the MLP with its first layer frozen (``requires_grad=False``).
+* ``tied``: an encoder/decoder pair sharing one weight matrix, plus a head.
+* ``groups``: the MLP trained with two parameter groups (matrices: one lr and
+  weight decay; vectors: half the lr, no weight decay). Groups are formed by
+  ``param.ndim`` because the optimizer factory receives the parameters a
+  strategy trains, without names (DTensor parameters keep their global shape,
+  so the split is the same for sharded strategies).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+import torch
+from torch.utils.data import TensorDataset
+
+#: The precision each scenario trains in, and the precisions the suite knows tolerances for.
+FP32, BF16_MIXED, FP16_MIXED = "32-true", "bf16-mixed", "16-mixed"
+
+IN_FEATURES = 8
+HIDDEN = 16
+#: The value planted in the overflow sample's inputs: above fp16's largest
+#: finite value (65504), so the cast to float16 inside autocast makes it ``inf``
+#: in a real forward, on every backend, whatever the loss scale.
+OVERFLOW_INPUT = 1.0e6
+
+
+# --------------------------------------------------------------------------- #
+# Models
+# --------------------------------------------------------------------------- #
+
+
+class RunningStatsBatchNorm1d(torch.nn.BatchNorm1d):
+    """BatchNorm that always normalises with its running statistics.
+
+    See the module docstring for why batch statistics cannot be compared with
+    a single-process reference on CPU. ``training`` still toggles with
+    ``.train()``/``.eval()`` but does not change the computation, so a strategy
+    that calls ``module.train()`` cannot silently switch to per-rank statistics.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.batch_norm(
+            input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+        )
+
+
+class TiedAutoencoder(torch.nn.Module):
+    """``head(tanh(decoder(tanh(encoder(x)))))`` with ``decoder.weight is encoder.weight``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(IN_FEATURES, IN_FEATURES)
+        self.decoder = torch.nn.Linear(IN_FEATURES, IN_FEATURES)
+        self.decoder.weight = self.encoder.weight  # the tie
+        self.head = torch.nn.Linear(IN_FEATURES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.decoder(torch.tanh(self.encoder(x)))))
+
+
+def _mlp() -> torch.nn.Sequential:
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, 1),
+    )
+
+
+def _batchnorm() -> torch.nn.Sequential:
+    model = torch.nn.Sequential(
+        torch.nn.Linear(IN_FEATURES, HIDDEN), RunningStatsBatchNorm1d(HIDDEN), torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, 1),
+    )
+    bn = model[1]
+    with torch.no_grad():
+        # Non-trivial statistics: a strategy that drops or re-initialises
+        # buffers changes every output.
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.num_batches_tracked.fill_(7)
+    return model
+
+
+def _frozen() -> torch.nn.Sequential:
+    model = _mlp()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    return model
+
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "mlp": _mlp,
+    "batchnorm": _batchnorm,
+    "frozen": _frozen,
+    "tied": TiedAutoencoder,
+    "groups": _mlp,
+}
+
+
+def build_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """The scenario model ``name``, initialised from ``seed`` (the same on every rank)."""
+    torch.manual_seed(seed)
+    return MODELS[name]()
+
+
+# --------------------------------------------------------------------------- #
+# Optimizers and schedulers (factories: the strategy calls them with its params)
+# --------------------------------------------------------------------------- #
+
+
+def _split_groups(params: Any) -> list[dict[str, Any]]:
+    params = list(params)
+    matrices = [p for p in params if p.ndim >= 2]
+    vectors = [p for p in params if p.ndim < 2]
+    return [
+        {"params": matrices, "lr": 2e-2, "weight_decay": 0.1},
+        {"params": vectors, "lr": 1e-2, "weight_decay": 0.0},
+    ]
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    # SGD: an update proportional to the gradient, so a wrong gradient scale
+    # (double averaging, a missed loss division) shows in the weights at once;
+    # Adam would normalise most of it away.
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01),
+    "adamw_groups": lambda params: torch.optim.AdamW(_split_groups(params)),
+}
+
+SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
+    "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    "warmup": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)),
+}
+
+
+def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean squared error in fp32 (autocast outputs are cast up first)."""
+    return torch.nn.functional.mse_loss(outputs.float(), targets.float())
+
+
+# --------------------------------------------------------------------------- #
+# Data and sizes
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """Batch sizes derived from the world sizes a scenario set runs at."""
+
+    world_size: int
+    alt_world_size: int
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples per micro-batch, all data-parallel ranks together."""
+        return 4 * math.lcm(self.world_size, self.alt_world_size)
+
+    @property
+    def dataset_size(self) -> int:
+        return 16 * self.micro_batch
+
+
+def default_alt_world_size(world_size: int) -> int:
+    """The world size a reshardable checkpoint is resumed at: 1, or 2 from a world of 1."""
+    return 1 if world_size > 1 else 2
+
+
+def regression_data(n: int, seed: int = 123) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN_FEATURES, generator=g)
+    y = x @ torch.randn(IN_FEATURES, 1, generator=g) * 0.5 + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+def overflow_data(n: int, poison_index: int, seed: int = 123) -> TensorDataset:
+    """Regression data where sample ``poison_index`` has inputs beyond fp16's range.
+
+    Targets are scaled down: with GradScaler's initial scale of 2**16, the
+    scaled fp16 gradients of ordinary samples must stay far below 65504, or
+    ordinary steps overflow too and the one forced overflow is no longer the
+    only skip (the scenario's premise).
+    """
+    data = regression_data(n, seed)
+    x, y = data.tensors
+    x = x.clone()
+    x[poison_index] = OVERFLOW_INPUT
+    return TensorDataset(x, y * 0.05)
+
+
+# --------------------------------------------------------------------------- #
+# Scenarios
+# --------------------------------------------------------------------------- #
+
+Backend = Literal["reference", "strategy"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One ``fit`` inside a scenario.
+
+    ``twin`` names the reference run of the same shape (same steps, fresh or
+    resumed): a strategy run must reproduce its hook sequence, step counts,
+    per-step numbers and final canonical state. ``truth`` names an
+    uninterrupted reference run whose per-step numbers (matched by step index:
+    a resumed run covers only the steps after its checkpoint) and, when both
+    end at the same step, final state this run must reproduce; reference runs
+    with a truth are checked too (a strategy's checkpoint resumed under
+    ``single`` is a reference-backend run). ``same_as`` names strategy runs
+    this one must equal (save -> resume equals uninterrupted).
+
+    ``resume_from`` names the run whose checkpoint this one resumes:
+    ``"part"`` (same backend) or ``"reference:part"`` / ``"strategy:part"``.
+    """
+
+    id: str
+    backend: Backend
+    #: ``"main"``: the world being certified; ``"alt"``: the reshard world size.
+    world: Literal["main", "alt"] = "main"
+    max_steps: int | None = None
+    #: Write a checkpoint at the end of this run (others resume from it).
+    save: bool = False
+    #: Resume from the checkpoint of this run (of the same scenario).
+    resume_from: str | None = None
+    truth: str | None = None
+    twin: str | None = None
+    same_as: tuple[str, ...] = ()
+    #: Trainer settings this run changes (e.g. the unclipped control run).
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    model: str = "mlp"
+    precision: str = FP32
+    accumulate_grad_batches: int = 1
+    grad_clip_norm: float | None = None
+    optimizer: str = "adamw"
+    scheduler: str | None = None
+    max_steps: int = 6
+    data: Literal["regression", "overflow"] = "regression"
+    shuffle: bool = True
+    #: ``"train"``: runs with the trainer; ``"declarations"``: the precision
+    #: declarations are checked by constructing trainers (no training at all).
+    kind: Literal["train", "declarations"] = "train"
+    #: Needs the strategy to declare a reshardable state_dict.
+    requires_reshardable: bool = False
+    #: Premises checked on the reference, so a scenario cannot pass vacuously:
+    #: ``"clips"`` (the pre-clip norm exceeds the clip value at every step,
+    #: and the reference ends far from its unclipped control run),
+    #: ``"overflow"`` (exactly the poisoned step is skipped).
+    premises: tuple[str, ...] = ()
+    #: Another scenario (same model, accumulation 1) whose gradient
+    #: collectives per optimizer step this one must equal.
+    same_sync_as: str | None = None
+    runs: tuple[Run, ...] = (
+        Run("main", "reference"),
+        Run("main", "strategy", twin="main"),
+    )
+
+    def run(self, backend: Backend, run_id: str) -> Run:
+        for r in self.runs:
+            if r.backend == backend and r.id == run_id:
+                return r
+        raise KeyError(f"scenario {self.name!r} has no {backend} run {run_id!r}")
+
+    def steps_of(self, run: Run) -> int:
+        return run.max_steps if run.max_steps is not None else self.max_steps
+
+    def global_batch_size(self, sizing: Sizing) -> int:
+        return self.accumulate_grad_batches * sizing.micro_batch
+
+    def poison_step(self) -> int:
+        """The optimizer step whose global batch holds the overflow sample (shuffle is off)."""
+        return 2
+
+    def dataset(self, sizing: Sizing) -> TensorDataset:
+        n = sizing.dataset_size
+        if self.data == "overflow":
+            # With shuffle off, sample k*gbs is the first sample of step k:
+            # rank 0's slice of the first micro-batch.
+            return overflow_data(n, self.poison_step() * self.global_batch_size(sizing))
+        return regression_data(n)
+
+    def trainer_settings(self, sizing: Sizing, run: Run) -> dict[str, Any]:
+        return {
+            "precision": self.precision,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "global_batch_size": self.global_batch_size(sizing),
+            "max_steps": self.steps_of(run),
+            "grad_clip_norm": self.grad_clip_norm,
+            "seed": 0,
+            "shuffle": self.shuffle,
+            "accelerator": "cpu",
+            **dict(run.overrides),
+        }
+
+
+RESUME_AT = 3
+
+
+def _resume_runs() -> tuple[Run, ...]:
+    """Uninterrupted, interrupted at step 3 and resumed, for both backends."""
+    return (
+        Run("full", "reference"),
+        Run("part", "reference", max_steps=RESUME_AT, save=True),
+        Run("resumed", "reference", resume_from="part", truth="full"),
+        Run("full", "strategy", twin="full"),
+        Run("part", "strategy", max_steps=RESUME_AT, save=True, twin="part"),
+        Run("resumed", "strategy", resume_from="part", truth="full", twin="resumed", same_as=("full",)),
+    )
+
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario(
+        "plain", "MLP, fp32, one micro-batch per step, SGD with momentum",
+        model="mlp", optimizer="sgd",
+    ),
+    Scenario(
+        "accumulation", "MLP, 4 micro-batches per optimizer step: gradient sync only at the boundary",
+        model="mlp", optimizer="sgd", accumulate_grad_batches=4, same_sync_as="plain",
+    ),
+    Scenario(
+        "clipping", "tied weights, clip by global norm at a value every step exceeds",
+        model="tied", optimizer="sgd", accumulate_grad_batches=2, grad_clip_norm=0.05, premises=("clips",),
+        runs=(
+            Run("main", "reference"),
+            # The control: without clipping the reference must end elsewhere,
+            # or "clipping" clipped nothing (the pre-clip norm alone cannot tell).
+            Run("unclipped", "reference", overrides=(("grad_clip_norm", None),)),
+            Run("main", "strategy", twin="main"),
+        ),
+    ),
+    Scenario(
+        "lr_scheduler", "two parameter groups (lr, weight decay) under a StepLR schedule",
+        model="groups", optimizer="adamw_groups", scheduler="step", accumulate_grad_batches=2,
+    ),
+    Scenario(
+        "buffers", "BatchNorm running statistics as buffers, accumulation 2",
+        model="batchnorm", optimizer="sgd", accumulate_grad_batches=2,
+    ),
+    Scenario(
+        "frozen", "first layer frozen, clipping on, accumulation 2",
+        model="frozen", optimizer="adamw", accumulate_grad_batches=2, grad_clip_norm=1.0,
+    ),
+    Scenario(
+        "bf16_mixed", "bf16 autocast (or the engine's bf16), accumulation 2",
+        model="mlp", precision=BF16_MIXED, optimizer="adamw", accumulate_grad_batches=2,
+    ),
+    Scenario(
+        "fp16_overflow",
+        "fp16 with loss scaling; one sample's inputs overflow fp16 in the forward: that step is skipped "
+        "and the scheduler does not advance",
+        model="mlp", precision=FP16_MIXED, optimizer="sgd", scheduler="warmup", accumulate_grad_batches=2,
+        data="overflow", shuffle=False, premises=("overflow",),
+    ),
+    Scenario(
+        "resume", "save at step 3, resume to step 6: equals the uninterrupted run (frozen layer, warmup)",
+        model="frozen", optimizer="adamw", scheduler="warmup", accumulate_grad_batches=2, runs=_resume_runs(),
+    ),
+    Scenario(
+        "cross_resume",
+        "a checkpoint of the strategy resumes under single, and a checkpoint of single under the strategy "
+        "(parameter groups, StepLR)",
+        model="groups", optimizer="adamw_groups", scheduler="step", accumulate_grad_batches=2,
+        runs=(
+            Run("full", "reference"),
+            Run("part", "reference", max_steps=RESUME_AT, save=True),
+            Run("resumed", "reference", resume_from="part", truth="full"),
+            Run("part", "strategy", max_steps=RESUME_AT, save=True, twin="part"),
+            # A reference-backend run from the strategy's checkpoint: it runs
+            # after the strategy's world has written that checkpoint.
+            Run("from_strategy", "reference", resume_from="strategy:part", truth="full"),
+            Run("from_single", "strategy", resume_from="reference:part", truth="full", twin="resumed"),
+        ),
+    ),
+    Scenario(
+        "reshard",
+        "save at the main world size, resume at another world size with the same strategy and with single "
+        "(declared reshardable)",
+        model="batchnorm", optimizer="adamw", scheduler="step", accumulate_grad_batches=2,
+        requires_reshardable=True,
+        runs=(
+            Run("full", "reference"),
+            Run("part", "reference", max_steps=RESUME_AT, save=True),
+            Run("resumed", "reference", resume_from="part", truth="full"),
+            Run("part", "strategy", max_steps=RESUME_AT, save=True, twin="part"),
+            Run("resumed", "strategy", world="alt", resume_from="part", truth="full", twin="resumed"),
+            # The same checkpoint in one process under single: a world-size
+            # change every reshardable format must survive, and the check that
+            # remains when the strategy itself cannot run at the other world
+            # size (a 2-stage pipeline needs 2 ranks).
+            Run("single_from_strategy", "reference", resume_from="strategy:part", truth="full"),
+        ),
+    ),
+    Scenario(
+        "unsupported_precision",
+        "every precision declared unsupported raises a ConfigurationError naming it when the Trainer is "
+        "built (before any process group); every precision declared supported is accepted",
+        kind="declarations", runs=(),
+    ),
+)
+
+SCENARIOS_BY_NAME: dict[str, Scenario] = {s.name: s for s in SCENARIOS}
+
+
+def select(names: Sequence[str] | None) -> tuple[Scenario, ...]:
+    """The scenarios named (all when ``names`` is empty), in catalogue order."""
+    if not names:
+        return SCENARIOS
+    unknown = [n for n in names if n not in SCENARIOS_BY_NAME]
+    if unknown:
+        raise KeyError(f"unknown scenario(s) {unknown}; known: {sorted(SCENARIOS_BY_NAME)}")
+    wanted = set(names)
+    # Dependencies come along: a scenario comparing its sync pattern with
+    # another needs that one's runs.
+    for n in list(wanted):
+        dep = SCENARIOS_BY_NAME[n].same_sync_as
+        if dep:
+            wanted.add(dep)
+    return tuple(s for s in SCENARIOS if s.name in wanted)
+
+
+__all__ = [
+    "MODELS", "OPTIMIZERS", "SCENARIOS", "SCENARIOS_BY_NAME", "SCHEDULERS", "Run", "Scenario", "Sizing",
+    "build_model", "default_alt_world_size", "loss_fn", "select",
+]
