@@ -28,12 +28,18 @@ def _split(values: tuple[str, ...]) -> list[str]:
     return [v.strip() for value in values for v in value.split(",") if v.strip()]
 
 
+def _load(modules: tuple[str, ...]) -> list[Any]:
+    import importlib
+
+    return [importlib.import_module(m) for m in _split(modules)]
+
+
 def _command() -> Any:
     import click
 
     @click.command("conformance")
     @click.option("--strategy", "strategies", multiple=True, required=True,
-                  help="Strategy name(s) to certify, comma-separated or repeated.")
+                  help="Strategy name(s) to certify, comma-separated or repeated; 'all' for every registered one.")
     @click.option("--world-size", type=click.IntRange(1), default=2, show_default=True,
                   help="Ranks of each strategy's world.")
     @click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None,
@@ -52,9 +58,16 @@ def _command() -> Any:
 
         # One thread per rank: the ranks of a world share this machine's cores.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+        names = _split(strategies)
+        if names == ["all"]:
+            # Every registered strategy but the reference itself; unavailable
+            # ones are reported as skipped with their reason.
+            from unison.manager import PluginManager
+
+            names = [s.name for s in PluginManager(plugins=_load(plugins)).strategies.specs() if s.name != "single"]
         try:
             report = certify(
-                _split(strategies), world_size=world_size, scenarios=_split(scenarios) or None,
+                names, world_size=world_size, scenarios=_split(scenarios) or None,
                 plugins=_split(plugins), report_dir=report_dir, timeout=timeout,
             )
         except KeyError as exc:  # an unknown scenario name

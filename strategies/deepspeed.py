@@ -765,6 +765,8 @@ def unison_strategies() -> list[StrategySpec]:
             description=f"DeepSpeed ZeRO-{stage} ({sharded[stage]} sharded); engine-owned accumulation and "
             "precision, client optimizer, DeepSpeed checkpoints",
             options=DeepSpeedOptions,
+            # ZeRO-Infinity-style CPU offload is the one preset worth a name.
+            aliases={"zero3_offload": {"offload_optimizer": "cpu", "offload_param": "cpu"}} if stage == 3 else {},
             unavailable=unavailable,
         )
         for stage in (1, 2, 3)

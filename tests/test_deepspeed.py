@@ -256,3 +256,10 @@ def test_declaration():
         assert config["train_micro_batch_size_per_gpu"] == 4 and config["gradient_accumulation_steps"] == 4
         assert config["gradient_clipping"] == 0.5 and config["bf16"] == {"enabled": True}
         assert "optimizer" not in config and "scheduler" not in config
+
+
+def test_zero3_offload_alias_presets_both_offloads():
+    pm = unison.PluginManager()
+    strategy = pm.strategies.create("zero3_offload")
+    assert strategy.name == "zero3_offload"
+    assert strategy.options.offload_optimizer == "cpu" and strategy.options.offload_param == "cpu"
