@@ -447,6 +447,13 @@ class FSDP1Strategy(_ShardedStrategy):
             if self._policy_precision
             else None
         )
+        # The optimizer is built on the original parameters *before* wrapping:
+        # with use_orig_params=True FSDP keeps these Parameter objects and only
+        # swaps their data for 1-D shard views, so a factory that groups by
+        # shape (``p.ndim >= 2`` decays, as in nanoGPT) sees the real shapes.
+        # Built after wrapping, every parameter looked 1-D and landed in the
+        # no-decay group (a conformance failure of the lr_scheduler scenario).
+        self.optimizer = make_optimizer(module.parameters())
         self.module = module
         self.model = FullyShardedDataParallel(
             module,
@@ -458,7 +465,9 @@ class FSDP1Strategy(_ShardedStrategy):
             device_mesh=mesh,
             use_orig_params=True,
         )
-        self.optimizer = make_optimizer(self.model.parameters())
+        wrapped = {id(p) for p in self.model.parameters()}
+        if any(id(p) not in wrapped for group in self.optimizer.param_groups for p in group["params"]):
+            raise RuntimeError("FullyShardedDataParallel replaced parameters the optimizer holds; cannot continue")
 
     def validate(self, settings: Any, world_size: int) -> None:
         accelerator = settings.accelerator
