@@ -72,7 +72,10 @@ def _command() -> Any:
             )
         except KeyError as exc:  # an unknown scenario name
             raise click.BadParameter(str(exc.args[0]), param_hint="--scenario") from None
-        console = Console()
+        # Wide enough for one readable column per strategy, also in a CI log
+        # (rich would otherwise squeeze a dozen strategies into 80 columns).
+        width = max(Console().width, 26 + 16 * len(names))
+        console = Console(width=width)
         report.print_table(console)
         if report_dir:
             console.print(f"report: {os.path.join(report_dir, 'report.html')} and report.json")
