@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,6 +122,28 @@ def build_strategy(settings: TrainerSettings, pm: PluginManager, world_size: int
         settings.global_batch_size, settings.accumulate_grad_batches, strategy.data_parallel_size(world_size)
     )
     return strategy
+
+
+def _check_loss_fn(loss_fn: Any) -> None:
+    """The trainer calls ``loss_fn(outputs, targets)`` and nothing else, on every backend.
+
+    Pipelines compute the loss on the last stage, which holds only the model's
+    outputs and the targets; a loss that needs more (the inputs, the model)
+    could never run there, so it is refused for every strategy alike.
+    """
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    try:
+        signature.bind(object(), object())
+    except TypeError as exc:
+        raise ConfigurationError(
+            "loss_fn",
+            f"loss_fn{signature} cannot be called as loss_fn(outputs, targets) ({exc})",
+            "take exactly (outputs, targets); compute anything that needs the inputs inside the model's forward "
+            "(a pipeline's last stage has only its outputs and the targets)",
+        ) from None
 
 
 def _world_from_env() -> tuple[int, int, int]:
@@ -253,6 +276,7 @@ class Trainer:
         """
         s = self.settings
         _, world_size, _ = _world_from_env()
+        _check_loss_fn(loss_fn)
         self.strategy.validate_model(model, s)
         # Fails on a too-small dataset before any process group starts.
         BatchPlan(

@@ -110,3 +110,17 @@ def test_yaml_config_nested_unknown_key(tmp_path):
     cfg.write_text("model: {factory: 'm.py:f', kwarg: {}}\ndata: {factory: 'm.py:d'}\nloss: {factory: 'm.py:l'}\n")
     with pytest.raises(unison.ConfigurationError, match=r"model\.kwarg"):
         load_config(cfg)
+
+
+@pytest.mark.parametrize("strategy", ["single", "pipeline"])
+def test_loss_that_needs_more_than_outputs_and_targets(monkeypatch, strategy):
+    if strategy == "pipeline":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    trainer = unison.Trainer(strategy=strategy, global_batch_size=8, accumulate_grad_batches=2)
+
+    def loss_with_inputs(outputs, targets, inputs):
+        return ((outputs - targets) ** 2).mean() + inputs.mean()
+
+    with pytest.raises(unison.ConfigurationError, match=r"loss_fn.*outputs, targets.*last stage") as info:
+        trainer.fit(mlp(), regression_data(), loss_fn=loss_with_inputs, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert str(info.value).startswith("loss_fn")
