@@ -1,6 +1,7 @@
 """``pipeline``: pipeline parallelism with ``torch.distributed.pipelining``.
 
-The model must be an ``nn.Sequential``. Its children are cut into
+The model must be an ``nn.Sequential``, or a module that declares its split
+points with ``pipeline_layers`` (see :func:`as_layers`). Its children are cut into
 ``stages * stages_per_rank`` contiguous *model chunks*, each one a
 :class:`~torch.distributed.pipelining.PipelineStage`. Rank ``r * stages + p``
 is pipeline rank ``p`` of data-parallel replica ``r`` (``world_size = stages *
@@ -167,14 +168,48 @@ def split_sequential(model: torch.nn.Sequential, balance: Sequence[int]) -> list
     return stages
 
 
-def _check_model(model: torch.nn.Module, stages: int, balance: list[int] | None, per_rank: int = 1) -> list[int]:
-    """The balance to use, or a ConfigurationError explaining why the model cannot be split."""
-    if not isinstance(model, torch.nn.Sequential):
+def as_layers(model: torch.nn.Module) -> torch.nn.Sequential:
+    """The model as a chain of layers: itself, or the split points it declares.
+
+    A module that is not an ``nn.Sequential`` declares its split points with a
+    ``pipeline_layers`` attribute: the names of its direct children, in the
+    order its ``forward`` chains them (``forward(x) == head(body(embed(x)))``
+    for ``pipeline_layers = ["embed", "body", "head"]``). The chain keeps those
+    names, so state dicts and checkpoints use the module's own keys. Every
+    parameter and buffer must belong to a listed child.
+    """
+    if isinstance(model, torch.nn.Sequential):
+        return model
+    names = getattr(model, "pipeline_layers", None)
+    if names is None:
         raise ConfigurationError(
             "model",
             f"strategy 'pipeline' splits an nn.Sequential into stages, got {type(model).__name__}",
-            "express the model as torch.nn.Sequential of its layers (each layer's output is the next one's input)",
+            "express the model as torch.nn.Sequential of its layers (each layer's output is the next one's "
+            "input), or declare its split points: pipeline_layers = [names of its children in forward order]",
         )
+    children = dict(model.named_children())
+    unknown = [n for n in names if n not in children]
+    if unknown or len(set(names)) != len(names):
+        raise ConfigurationError(
+            "model.pipeline_layers",
+            f"{list(names)} must name distinct direct children of {type(model).__name__}; not children: {unknown}",
+            f"use names from {sorted(children)}",
+        )
+    chain = torch.nn.Sequential(OrderedDict((n, children[n]) for n in names))
+    outside = sorted(set(model.state_dict()) - set(chain.state_dict()))
+    if outside:
+        raise ConfigurationError(
+            "model.pipeline_layers",
+            f"{type(model).__name__} holds state outside its declared layers: {outside[:5]}",
+            "move those parameters/buffers into a listed child, or list the child that holds them",
+        )
+    return chain
+
+
+def _check_model(model: torch.nn.Module, stages: int, balance: list[int] | None, per_rank: int = 1) -> list[int]:
+    """The balance to use, or a ConfigurationError explaining why the model cannot be split."""
+    model = as_layers(model)
     children = list(model.named_children())
     n = len(children)
     if stages > n:
@@ -391,6 +426,7 @@ class PipelineStrategy(Strategy):
         self.env = env
         self._make_groups(env)
         balance = _check_model(module, self.chunks, o.balance, self.per_rank)
+        module = as_layers(module)
         self.stage_index = env.rank % o.stages  # this rank's place in its pipeline
         self.replicas = env.world_size // o.stages
         self._pp_ranks = [(env.rank // o.stages) * o.stages + s for s in range(o.stages)]
