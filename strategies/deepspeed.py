@@ -299,6 +299,11 @@ class DeepSpeedStrategy(Strategy):
                 "DeepSpeed calls the client optimizer's step() once per parameter group (ZeRO-3: per sub-group) "
                 "in each optimizer step, with param_groups narrowed to that group, so step hooks registered on "
                 "that optimizer fire that many times; together they make exactly one update of every group",
+                "memory (measured, 2.1M parameters, world 2, bytes of parameters + gradients + optimizer state per "
+                "rank / ddp's): fp32 zero1 0.875, zero2 0.750, zero3 0.625; bf16-mixed 0.625, 0.5625, 0.500. "
+                "DeepSpeed keeps a separate fp32 master partition even when the parameters are fp32 (upstream "
+                "design: a second buffer, not an alias), so fp32 ZeRO-3 holds (4+4+12)/N bytes per parameter "
+                "instead of the ZeRO paper's 16/N, which assumes mixed precision",
             ),
         )
 
