@@ -60,7 +60,7 @@ from unison.state import canonical
 from unison.strategy import DistEnv, OptimizerFactory, Strategy
 
 from unison.strategies._torch import TRAINER_PRECISION
-from unison.strategies.torch_zero import CONSOLIDATED_DCP_STATE, OptimizerRecipe, TorchZeroStrategy
+from unison.strategies._sharded_optimizer import CONSOLIDATED_DCP_STATE, OptimizerRecipe, TorchZeroStrategy
 
 
 # --------------------------------------------------------------------------- #

@@ -20,7 +20,7 @@ import unison
 from helpers import max_abs_diff, regression_data, train
 from unison.errors import ConfigurationError, StrategyUnavailableError
 from unison.launch import spawn
-from unison.strategies.torch_zero import OptimizerRecipe
+from unison.strategies._sharded_optimizer import OptimizerRecipe
 from zero_fairscale_worlds import fairscale_oss_world, fairscale_sdp_world, overflow_data, torch_zero_world
 
 pytestmark = pytest.mark.distributed

@@ -1,0 +1,290 @@
+"""Optimizer-state sharding shared by ``torch_zero`` and the fairscale OSS strategies.
+
+``torch_zero``: DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO stage 1).
+
+Parameters and gradients stay whole on every rank (DDP all-reduces them once
+per optimizer step); only the optimizer *state* is partitioned: each rank keeps
+the AdamW moments of the parameters it owns, updates those parameters, and
+broadcasts them to the other ranks at the end of ``step()``.
+
+Decisions, and why:
+
+* **Building the optimizer.** The trainer hands strategies a factory
+  ``params -> Optimizer``; ``ZeroRedundancyOptimizer`` (and fairscale's OSS)
+  instead want an optimizer *class* plus keyword defaults, and build the
+  per-shard ("local") optimizer themselves. We call the user's factory once on
+  all parameters (torch optimizers allocate state lazily, so this costs
+  nothing), read its class, ``defaults`` and ``param_groups`` (per-group
+  options included), and give the sharding optimizer the same class, defaults
+  and groups. Its local optimizer is then the user's *own instance*, re-pointed
+  at this rank's share of each group (:meth:`OptimizerRecipe.shard_constructor`):
+  step hooks the user registered on it fire, and counting its ``step()`` calls
+  counts real updates, as under ``ddp``. ``defaults`` are filtered to the
+  keywords the class's constructor accepts (``AdamW.defaults`` carries
+  ``decoupled_weight_decay``, which ``AdamW.__init__`` does not take), and an
+  instance rebuilt from class and defaults must have the user's ``defaults``,
+  otherwise we refuse: checkpoints go through such rebuilt instances. The
+  alternative, an option naming the optimizer class, would make the user
+  configure the optimizer twice.
+* **Checkpoints** use the DCP format of ``ddp`` and ``single`` (keys are the
+  module's parameter names, optimizer state keyed by name), so a checkpoint
+  written here resumes under ``ddp``, ``single`` or ``torch_zero`` at any world
+  size, and theirs resume here. Saving consolidates the sharded optimizer state
+  on rank 0 (``consolidate_state_dict``), loads it into a transient plain
+  optimizer of the same class, and lets
+  ``torch.distributed.checkpoint.state_dict`` name it; loading reads the full
+  state on every rank and hands it to ``ZeroRedundancyOptimizer.load_state_dict``,
+  which keeps only this rank's shard. The price is a transient full copy of the
+  optimizer state at save (rank 0) and load (every rank); the training-time
+  footprint stays sharded.
+
+:class:`OptimizerRecipe` and :func:`save_consolidated` / :func:`load_into_sharded`
+are shared by the fairscale OSS strategies, which have the same shape.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ContextManager
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from unison.errors import ConfigurationError
+from unison.ownership import AccumulationOwner, GradAccumulation, Ownership, StateDictDeclaration, StateDictKind
+from unison.strategy import DistEnv, OptimizerFactory
+
+from unison.strategies._torch import TRAINER_PRECISION, ReplicatedStrategy
+
+#: The checkpoint format shared with ``ddp`` and ``single``.
+CONSOLIDATED_DCP_STATE = StateDictDeclaration(
+    kind=StateDictKind.FULL,
+    format=(
+        "torch.distributed.checkpoint (DCP), keys = module parameter names, optimizer state keyed by name "
+        "(the ddp/single format; the sharded optimizer state is consolidated on rank 0 to write it)"
+    ),
+    reshardable=True,
+    canonical_export="module.state_dict() of the unwrapped module on every rank (parameters are replicated), fp32, CPU",
+)
+
+
+# --------------------------------------------------------------------------- #
+# The user's optimizer, as a recipe a sharded optimizer can rebuild per shard
+# --------------------------------------------------------------------------- #
+
+
+@dataclass(frozen=True)
+class OptimizerRecipe:
+    """The user's optimizer, as a sharding optimizer needs it."""
+
+    cls: type[torch.optim.Optimizer]
+    #: Constructor keywords (``defaults`` filtered to what ``cls.__init__`` accepts).
+    defaults: dict[str, Any]
+    #: The factory's parameter groups (shallow copies: same Parameter objects, per-group options).
+    param_groups: list[dict[str, Any]]
+    #: The instance the user's factory returned (becomes this rank's local optimizer).
+    user_optimizer: torch.optim.Optimizer = field(compare=False, repr=False)
+
+    @classmethod
+    def from_factory(cls, make_optimizer: OptimizerFactory, params: Any, *, strategy: str) -> "OptimizerRecipe":
+        probe = make_optimizer(params)
+        if not isinstance(probe, torch.optim.Optimizer):
+            raise ConfigurationError(
+                "optimizer", f"the factory returned {type(probe).__name__}, not a torch.optim.Optimizer",
+                "pass optimizer=lambda params: torch.optim.AdamW(params, ...)",
+            )
+        if probe.state:
+            # Re-pointing it at a shard would keep state for parameters it no longer owns.
+            raise ConfigurationError(
+                "optimizer", f"strategy {strategy!r} shards the optimizer, but the factory's optimizer already holds state",
+                "return a freshly constructed optimizer from the factory",
+            )
+        signature = inspect.signature(type(probe).__init__)
+        takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+        defaults = {k: v for k, v in probe.defaults.items() if takes_any or k in signature.parameters}
+        groups = [dict(g, params=list(g["params"])) for g in probe.param_groups]
+        recipe = cls(type(probe), defaults, groups, probe)
+        rebuilt = recipe.build()
+        if rebuilt.defaults != probe.defaults:
+            raise ConfigurationError(
+                "optimizer",
+                f"strategy {strategy!r} cannot rebuild {type(probe).__name__} from its defaults "
+                f"(rebuilt {rebuilt.defaults}, factory built {probe.defaults})",
+                "use a torch.optim optimizer whose constructor takes its defaults as keywords, or another strategy",
+            )
+        return recipe
+
+    def build(self, param_groups: list[dict[str, Any]] | None = None) -> torch.optim.Optimizer:
+        """A fresh, plain (unsharded) optimizer of the user's class over ``param_groups``."""
+        groups = param_groups if param_groups is not None else self.param_groups
+        return self.cls([dict(g, params=list(g["params"])) for g in groups], **self.defaults)
+
+    def shard_constructor(self) -> Callable[..., torch.optim.Optimizer]:
+        """The ``optimizer_class`` to give ZeroRedundancyOptimizer / OSS.
+
+        Both call it once, with this rank's parameter groups and the defaults,
+        to build their local optimizer. The first call returns the user's own
+        instance holding exactly those groups; a later call (a sharding
+        optimizer rebuilding its partition) gets a fresh instance of the class.
+        """
+        adopted = False
+
+        def construct(param_groups: Any, **defaults: Any) -> torch.optim.Optimizer:
+            nonlocal adopted
+            if adopted:
+                return self.cls(param_groups, **defaults)
+            adopted = True
+            optimizer = self.user_optimizer
+            optimizer.param_groups = []
+            for group in param_groups:
+                optimizer.add_param_group(group)
+            return optimizer
+
+        return construct
+
+
+# --------------------------------------------------------------------------- #
+# Consolidated, name-keyed checkpoints for sharded optimizers
+# --------------------------------------------------------------------------- #
+
+
+def save_consolidated(
+    module: torch.nn.Module,
+    recipe: OptimizerRecipe,
+    optimizer: torch.optim.Optimizer,
+    consolidate: Callable[[], None],
+    directory: Path,
+) -> None:
+    """Write the ddp/single DCP checkpoint from a sharded optimizer (collective).
+
+    ``consolidate()`` must gather the full, index-keyed optimizer state on
+    rank 0 so that ``optimizer.state_dict()`` returns it there. Rank 0 then
+    loads it into a transient plain optimizer of the user's class, whose
+    name-keyed state ``get_optimizer_state_dict`` produces in exactly the form
+    ``ddp`` writes. The other ranks contribute the (replicated) model only; DCP
+    writes each item once.
+    """
+    consolidate()
+    state: dict[str, Any] = {"model": get_model_state_dict(module), "optim": {}}
+    if torch.distributed.get_rank() == 0:
+        full = optimizer.state_dict()
+        shadow = recipe.build(optimizer.param_groups)
+        shadow.load_state_dict(full)
+        state["optim"] = get_optimizer_state_dict(module, shadow)
+    dcp.save(state, checkpoint_id=str(directory))
+
+
+def load_into_sharded(
+    module: torch.nn.Module, recipe: OptimizerRecipe, optimizer: torch.optim.Optimizer, directory: Path
+) -> None:
+    """Load a ddp/single/torch_zero DCP checkpoint into a sharded optimizer (collective).
+
+    Every rank reads the full, name-keyed state into a transient plain
+    optimizer of the user's class, then hands its index-keyed ``state_dict()``
+    to the sharded optimizer's ``load_state_dict``, which keeps this rank's
+    shard only.
+    """
+    shadow = recipe.build(optimizer.param_groups)
+    # The template names every tensor the checkpoint must provide (the model's
+    # and, after torch initialises it, the optimizer's state per parameter).
+    state = {"model": get_model_state_dict(module), "optim": get_optimizer_state_dict(module, shadow)}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_model_state_dict(module, state["model"])
+    set_optimizer_state_dict(module, shadow, state["optim"])
+    optimizer.load_state_dict(shadow.state_dict())
+
+
+def sharded_state_bytes(local_optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer state this rank holds (non-scalar tensors, as the base class counts)."""
+    return sum(
+        t.numel() * t.element_size()
+        for s in local_optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+
+
+# --------------------------------------------------------------------------- #
+# The strategy
+# --------------------------------------------------------------------------- #
+
+
+class TorchZeroStrategy(ReplicatedStrategy):
+    """DDP for gradients, ``ZeroRedundancyOptimizer`` for a sharded optimizer state.
+
+    Gradients are whole and equal on every rank after DDP's all-reduce, so the
+    inherited clipping (local norm == global norm) and trainer-applied
+    precisions (a plain GradScaler sees the same overflow on every rank) hold.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recipe: OptimizerRecipe | None = None
+
+    @property
+    def ownership(self) -> Ownership:
+        return Ownership(
+            grad_accumulation=GradAccumulation(
+                AccumulationOwner.TRAINER,
+                "DistributedDataParallel.no_sync() on non-boundary micro-steps; ZeroRedundancyOptimizer steps once "
+                "per optimizer step (each rank updates its shard, then broadcasts it)",
+            ),
+            precision=TRAINER_PRECISION,
+            state_dict=CONSOLIDATED_DCP_STATE,
+            notes=(
+                "optimizer: the factory's class, defaults and param groups go to ZeroRedundancyOptimizer, whose local "
+                "optimizer is the factory's own instance re-pointed at this rank's shard",
+                "memory_footprint()['optimizer_state'] is this rank's shard only",
+            ),
+        )
+
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
+        module = module.to(env.device)
+        self.module = module
+        self.model = DistributedDataParallel(module, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+        self.recipe = OptimizerRecipe.from_factory(make_optimizer, module.parameters(), strategy=self.name)
+        self.optimizer = self._sharded_optimizer(self.recipe)
+
+    def _sharded_optimizer(self, recipe: OptimizerRecipe) -> torch.optim.Optimizer:
+        """The sharding optimizer over the recipe's class, defaults and groups."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            [dict(g) for g in recipe.param_groups], optimizer_class=recipe.shard_constructor(), **recipe.defaults
+        )
+
+    def _consolidate(self) -> None:
+        """Gather the full optimizer state on rank 0 (collective)."""
+        self.optimizer.consolidate_state_dict(to=0)  # type: ignore[union-attr]
+
+    def no_sync(self) -> ContextManager[Any]:
+        return self.model.no_sync()
+
+    def save_state(self, directory: Path) -> None:
+        assert self.module is not None and self.optimizer is not None and self.recipe is not None
+        save_consolidated(self.module, self.recipe, self.optimizer, self._consolidate, directory)
+
+    def load_state(self, directory: Path) -> None:
+        assert self.module is not None and self.optimizer is not None and self.recipe is not None
+        load_into_sharded(self.module, self.recipe, self.optimizer, directory)
+
+    def memory_footprint(self) -> dict[str, int]:
+        footprint = super().memory_footprint()
+        # The sharding optimizer's own .state is empty: the shard lives in its
+        # local optimizer (``.optim`` for both ZeroRedundancyOptimizer and OSS).
+        footprint["optimizer_state"] = sharded_state_bytes(self.optimizer.optim)  # type: ignore[union-attr]
+        return footprint
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.recipe = None
+
