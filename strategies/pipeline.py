@@ -739,6 +739,15 @@ class DeepSpeedPipelineStrategy(PipelineStrategy):
             )
 
     def validate_model(self, model: torch.nn.Module, settings: Any) -> None:
+        if not isinstance(model, torch.nn.Sequential):
+            # PipelineModule takes a list of layers; declared split points
+            # (pipeline_layers) are supported by `pipeline` only.
+            raise ConfigurationError(
+                "model",
+                f"strategy 'deepspeed_pipeline' partitions an nn.Sequential's children, got {type(model).__name__}",
+                "express the model as torch.nn.Sequential of its layers, or use strategy 'pipeline', which also "
+                "accepts a module declaring pipeline_layers",
+            )
         _check_model(model, self.options.stages, None)
 
     def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
