@@ -13,6 +13,11 @@ from unison.checkpoint import Checkpointer
 class CrashOnSecondSave:
     def __init__(self):
         self.saves = 0
+        self.exceptions = []
+
+    @unison.hookimpl
+    def unison_on_exception(self, trainer, exception):
+        self.exceptions.append((trainer.global_step, str(exception)))
 
     @unison.hookimpl
     def unison_on_save_checkpoint(self, checkpoint):
@@ -27,10 +32,12 @@ def fit(trainer, **kw):
 
 
 def test_crash_during_save_keeps_previous_checkpoint_latest(tmp_path):
+    crash = CrashOnSecondSave()
     trainer = unison.Trainer(strategy="single", global_batch_size=16, accumulate_grad_batches=2, max_steps=10,
-                             checkpoint_dir=str(tmp_path), checkpoint_every_n_steps=4, callbacks=[CrashOnSecondSave()])
+                             checkpoint_dir=str(tmp_path), checkpoint_every_n_steps=4, callbacks=[crash])
     with pytest.raises(RuntimeError, match="disk full"):
         fit(trainer)
+    assert crash.exceptions == [(8, "disk full (simulated in a real save)")]  # unison_on_exception fired once
     ckpt = Checkpointer(tmp_path)
     assert ckpt.latest() == tmp_path / "step-00000004"
     assert not (tmp_path / "step-00000008").exists()
