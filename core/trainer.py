@@ -189,12 +189,12 @@ class Trainer:
         self.strategy: Strategy = build_strategy(self.settings, self.pm, world_size)
         self.ownership = self.strategy.ownership
         self._precision_support = self.ownership.precision_support(self.settings.precision)
-        s = self.settings
         self.progress = Progress()
         self.should_stop = False
         self.env: DistEnv | None = None
         self.precision: Precision | None = None
         self.lr_scheduler: Any = None
+        s = self.settings
         self.checkpointer = Checkpointer(s.checkpoint_dir, s.keep_last_n_checkpoints) if s.checkpoint_dir else None
         self._owns_process_group = False
         self._final_state: dict[str, torch.Tensor] | None = None
@@ -279,11 +279,7 @@ class Trainer:
         _check_loss_fn(loss_fn)
         self.strategy.validate_model(model, s)
         # Fails on a too-small dataset before any process group starts.
-        BatchPlan(
-            dataset_size=len(train_dataset), global_batch_size=s.global_batch_size,
-            accumulate_grad_batches=s.accumulate_grad_batches,
-            data_parallel_size=self.strategy.data_parallel_size(world_size), data_parallel_rank=0, seed=s.seed,
-        )
+        self._batch_plan(len(train_dataset), rank=0, world_size=world_size)
         if ckpt_path is not None and str(ckpt_path) == "last" and self.checkpointer is None:
             raise ConfigurationError("ckpt_path", "'last' needs a checkpoint_dir", "set checkpoint_dir or pass a path")
 
@@ -301,19 +297,23 @@ class Trainer:
                 self._owns_process_group = False
         return self.progress
 
+    def _batch_plan(self, dataset_size: int, *, rank: int, world_size: int) -> BatchPlan:
+        s = self.settings
+        return BatchPlan(
+            dataset_size=dataset_size,
+            global_batch_size=s.global_batch_size,
+            accumulate_grad_batches=s.accumulate_grad_batches,
+            data_parallel_size=self.strategy.data_parallel_size(world_size),
+            data_parallel_rank=self.strategy.data_parallel_rank(rank, world_size),
+            seed=s.seed,
+            shuffle=s.shuffle,
+        )
+
     def _fit(self, model, train_dataset, loss_fn, optimizer, lr_scheduler, val_dataset, ckpt_path) -> None:
         s, env, hook = self.settings, self.env, self.pm.hook
         assert env is not None
         seed_everything(s.seed)
-        self.plan = BatchPlan(
-            dataset_size=len(train_dataset),
-            global_batch_size=s.global_batch_size,
-            accumulate_grad_batches=s.accumulate_grad_batches,
-            data_parallel_size=self.strategy.data_parallel_size(env.world_size),
-            data_parallel_rank=self.strategy.data_parallel_rank(env.rank, env.world_size),
-            seed=s.seed,
-            shuffle=s.shuffle,
-        )
+        self.plan = self._batch_plan(len(train_dataset), rank=env.rank, world_size=env.world_size)
         self.precision = precision = self._build_precision(env.device)
         module = precision.convert_module(model)
         self.strategy.env = env
