@@ -405,6 +405,9 @@ class Trainer:
         self.checkpointer = Checkpointer(s.checkpoint_dir, s.keep_last_n_checkpoints) if s.checkpoint_dir else None
         self._owns_process_group = False
         self._control_group: Any = None
+        #: ``False`` until ``fit`` has finished its checks and starts the process
+        #: group and the strategy's setup (refusals only ever happen before).
+        self.setup_started = False
         self._final_state: dict[str, torch.Tensor] | None = None
         self._pending_metrics: dict[str, Any] = {}
         #: True inside the training loop: trainer.log() then waits for the next logging step.
@@ -549,6 +552,8 @@ class Trainer:
         self.loss_fn, self.training_step, self.data = loss_fn, training_step, data
         self._final_state = None
         self.should_stop = False
+        # From here on nothing is refused as bad input: failures are errors.
+        self.setup_started = True
         try:
             self.env = self._setup_environment()
             self._fit(model, optimizer, lr_scheduler, val, ckpt_path)
