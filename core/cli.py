@@ -149,11 +149,16 @@ def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
     pm = PluginManager()
     trainer = Trainer(plugin_manager=pm, callbacks=[p for ps in pm.hook.unison_plugins_from_config(config=config) for p in ps],
                       **config.trainer.model_dump())
-    model = resolve_factory(config.model.factory, base)(**config.model.kwargs)
+    build_model = resolve_factory(config.model.factory, base)
     train_ds, val_ds = resolve_factory(config.data.factory, base)(**config.data.kwargs)
+    form = (
+        {"loss_fn": resolve_factory(config.loss.factory, base)} if config.loss is not None
+        else {"training_step": resolve_factory(config.training_step.factory, base)}  # type: ignore[union-attr]
+    )
     progress = trainer.fit(
-        model, train_ds,
-        loss_fn=resolve_factory(config.loss.factory, base),
+        # A factory: the trainer seeds before building, so reruns and ranks start alike.
+        lambda: build_model(**config.model.kwargs), train_ds,
+        **form,
         optimizer=optimizer_factory(config.optimizer),
         lr_scheduler=scheduler_factory(config.scheduler),
         val_dataset=val_ds,

@@ -12,11 +12,15 @@ Factories are ``"file.py:function"`` (relative to the config file) or
     factory = "tinylm.py:build_model"
     kwargs = { d_model = 64 }
 
-    [data]                          # factory returns (train_dataset, val_dataset or None)
+    [data]                          # factory returns (train_dataset, val_dataset or None);
+                                    # each a map-style dataset, an iterable one or a DataLoader
     factory = "tinylm.py:build_datasets"
 
     [loss]
     factory = "tinylm.py:loss_fn"   # the loss function itself, not a builder
+    # or, for batches of any structure (dicts, Hugging Face models):
+    # [training_step]
+    # factory = "hf_causal_lm.py:training_step"
 
     [optimizer]                     # a torch.optim class
     name = "AdamW"
@@ -64,6 +68,11 @@ class LossConfig(_Strict):
     """The loss function ``loss_fn(outputs, targets) -> mean loss``."""
 
 
+class StepConfig(_Strict):
+    factory: str
+    """The step function ``training_step(model, batch) -> mean loss`` (batches of any structure)."""
+
+
 class ClassConfig(_Strict):
     name: str
     """Class name in ``torch.optim`` (optimizer) or ``torch.optim.lr_scheduler`` (scheduler)."""
@@ -82,7 +91,16 @@ class RunConfig(_Strict):
     trainer: TrainerSettings
     model: FactoryConfig
     data: FactoryConfig
-    loss: LossConfig
+    loss: LossConfig | None = None
+    """The ``(inputs, targets)`` form; give this or ``[training_step]``."""
+    training_step: StepConfig | None = None
+    """The form for batches of any structure; give this or ``[loss]``."""
+
+    @pydantic.model_validator(mode="after")
+    def _one_form(self) -> "RunConfig":
+        if (self.loss is None) == (self.training_step is None):
+            raise ValueError("give exactly one of the [loss] and [training_step] sections")
+        return self
     optimizer: ClassConfig = ClassConfig(name="AdamW", kwargs={"lr": 1e-3})
     scheduler: ClassConfig | None = None
     logging: LoggingConfig = LoggingConfig()
