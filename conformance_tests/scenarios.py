@@ -292,12 +292,6 @@ class Scenario:
         Run("main", "strategy", twin="main"),
     )
 
-    def run(self, backend: Backend, run_id: str) -> Run:
-        for r in self.runs:
-            if r.backend == backend and r.id == run_id:
-                return r
-        raise KeyError(f"scenario {self.name!r} has no {backend} run {run_id!r}")
-
     def steps_of(self, run: Run) -> int:
         return run.max_steps if run.max_steps is not None else self.max_steps
 

@@ -1,6 +1,7 @@
 """The ``unison`` command line.
 
 * ``unison strategies`` – every registered strategy, available or not (with why).
+* ``unison precisions`` – every registered precision plugin, available or not (with why).
 * ``unison describe NAME`` – the strategy's ownership declaration.
 * ``unison run --nproc N [TORCHRUN_OPTION=VALUE ...] script.py [ARGS]`` – torchrun.
 * ``unison train CONFIG [--strategy NAME] [--nproc N]`` – train from a config file.
@@ -40,11 +41,32 @@ def strategies() -> None:
     for col in ("name", "aliases", "available", "description"):
         table.add_column(col)
     for spec in pm.strategies.specs():
+        # Plugin text is not markup: rich would eat "[deepspeed]" in an install hint.
         table.add_row(
-            spec.name,
-            ", ".join(spec.aliases) or "-",
-            "yes" if spec.unavailable is None else f"no: {spec.unavailable}",
-            spec.description,
+            escape(spec.name),
+            escape(", ".join(spec.aliases) or "-"),
+            "yes" if spec.unavailable is None else escape(f"no: {spec.unavailable}"),
+            escape(spec.description),
+        )
+    console.print(table)
+
+
+@cli.command()
+def precisions() -> None:
+    """List registered precision plugins and their availability.
+
+    A strategy uses a precision plugin only where its declaration says the
+    trainer or a plugin applies that precision (``unison describe NAME``).
+    """
+    pm = PluginManager()
+    table = Table(title="unison precisions")
+    for col in ("name", "available", "description"):
+        table.add_column(col)
+    for spec in pm.precisions.specs():
+        table.add_row(
+            escape(spec.name),
+            "yes" if spec.unavailable is None else escape(f"no: {spec.unavailable}"),
+            escape(spec.description),
         )
     console.print(table)
 
@@ -56,10 +78,10 @@ def describe(name: str) -> None:
     pm = PluginManager()
     spec, options = pm.strategies.resolve(name)
     if spec.unavailable:
-        console.print(f"[yellow]{name}: unavailable here: {spec.unavailable}[/]")
+        console.print(f"[yellow]{escape(name)}: unavailable here: {escape(spec.unavailable)}[/]")
     strategy = spec.factory(**options.model_dump())
     d = strategy.ownership.to_dict()
-    console.print(f"[bold]{name}[/]  {spec.description}")
+    console.print(f"[bold]{escape(name)}[/]  {escape(spec.description)}")
     console.print(f"options: {options.model_dump()}")
     ga = d["grad_accumulation"]
     sync = f" (gradients synchronised: {ga['sync']})" if ga["owner"] == "trainer" else ""
@@ -147,7 +169,7 @@ def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
 
     config, base = load_config(config_path, overrides)
     pm = PluginManager()
-    trainer = Trainer(plugin_manager=pm, callbacks=[p for ps in pm.hook.unison_plugins_from_config(config=config) for p in ps],
+    trainer = Trainer(plugin_manager=pm, callbacks=pm.unison_plugins_from_config(config=config),
                       **config.trainer.model_dump())
     build_model = resolve_factory(config.model.factory, base)
     train_ds, val_ds = resolve_factory(config.data.factory, base)(**config.data.kwargs)
@@ -173,9 +195,9 @@ def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    pm = PluginManager()
-    pm.hook.unison_add_cli_commands(cli=cli)
     try:
+        # Inside the try: a broken plugin is reported like any other error.
+        PluginManager().unison_add_cli_commands(cli=cli)
         cli.main(args=argv, prog_name="unison", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

@@ -12,25 +12,36 @@ Conventions (shared by all hooks below):
 * Lifecycle hooks return ``None``; their return values are ignored. Hooks with
   a meaningful result say so under "Returns".
 
-The order of one ``fit`` call, identical for every strategy::
+The order of one ``fit`` call, identical for every strategy. A bracketed
+line fires only when the condition beside it holds (all of its hooks, in that
+order); ``each optimizer step:`` repeats its indented block once per optimizer
+step. ``tests/test_hook_order.py`` checks a real run against this block, and
+README.md's "Hooks" section repeats it::
 
     unison_on_fit_start
-    (unison_on_load_checkpoint)              # when resuming
-    repeat per epoch:
-      unison_on_train_epoch_start
-      repeat per optimizer step:
-        unison_on_train_step_start
-        unison_on_after_backward             # once, after the last micro-batch
-        unison_on_before_optimizer_step      # once, with the global grad norm
-        unison_on_after_optimizer_step       # once; says whether it was skipped
-        unison_on_train_step_end
-        unison_log_metrics                   # every log_every_n_steps
-        (unison_on_validation_start, unison_on_validation_end, unison_log_metrics)
-        (unison_on_save_checkpoint)          # every checkpoint_every_n_steps
-      unison_on_train_epoch_end
-    (unison_on_save_checkpoint)              # final checkpoint, when a dir is set
+    [unison_on_load_checkpoint]                  resuming (ckpt_path given)
+    each optimizer step:
+      [unison_on_train_epoch_start]              first step of an epoch, or of a resumed run
+      unison_on_train_step_start
+      unison_on_after_backward                   once, after the last micro-batch
+      unison_on_before_optimizer_step            once, with the global grad norm
+      unison_on_after_optimizer_step             once; says whether the update was skipped
+      unison_on_train_step_end
+      [unison_log_metrics]                       every log_every_n_steps
+      [unison_on_train_epoch_end]                last step of an epoch
+      [unison_on_validation_start, unison_on_validation_end, unison_log_metrics]
+                                                 every val_every_n_steps (with a val_dataset)
+      [unison_on_save_checkpoint]                every checkpoint_every_n_steps (with a checkpoint_dir)
+    [unison_on_validation_start, unison_on_validation_end, unison_log_metrics]
+                                                 with a val_dataset, unless the last step validated
+    [unison_on_save_checkpoint]                  with a checkpoint_dir, unless the last step saved
+    [unison_log_metrics]                         trainer.log() values not yet sent
     unison_on_fit_end
-    (unison_on_exception)                    # instead of the rest, on a crash
+
+A plugin that sets ``trainer.should_stop`` ends the loop after the current
+step's validation and checkpoint; the final validation and checkpoint then do
+not run again for that step. When ``fit`` fails, ``unison_on_exception`` fires
+instead of the rest, on the failing rank.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 # --------------------------------------------------------------------------- #
-# Registration: called once per plugin manager, before any Trainer exists.
+# Registration: called by the plugin manager when a registry is first needed.
 # --------------------------------------------------------------------------- #
 
 
@@ -53,8 +64,11 @@ if TYPE_CHECKING:  # pragma: no cover
 def unison_strategies() -> "list[StrategySpec]":
     """Register strategies by name.
 
-    Called by :class:`~unison.registry.StrategyRegistry` when it is first
-    built (on any rank, before any process group), once per plugin.
+    Called by :class:`~unison.manager.PluginManager` through pluggy when its
+    strategy registry is first needed and again after any plugin is registered
+    or unregistered (on any rank, before any process group): once per
+    implementing plugin, each call wrapped by every ``wrapper=True``
+    implementation, so the specs stay attributable to their plugin.
 
     Returns:
         A list of :class:`~unison.registry.StrategySpec`, each naming one
@@ -68,9 +82,10 @@ def unison_strategies() -> "list[StrategySpec]":
 def unison_precisions() -> "list[PrecisionSpec]":
     """Register precision plugins by name (``"bf16-mixed"``, ``"apex-O1"``...).
 
-    Called by :class:`~unison.registry.PrecisionRegistry` when it is first
-    built, once per plugin. The trainer uses a registered precision only when
-    the strategy declares the precision applied by the trainer or a plugin.
+    Called by :class:`~unison.manager.PluginManager` like
+    :func:`unison_strategies`, for its precision registry. The trainer uses a
+    registered precision only when the strategy declares the precision
+    applied by the trainer or a plugin.
 
     Returns:
         A list of :class:`~unison.registry.PrecisionSpec`.
@@ -147,8 +162,9 @@ def unison_on_train_epoch_start(trainer: "Trainer", epoch: int) -> None:
 def unison_on_train_epoch_end(trainer: "Trainer", epoch: int) -> None:
     """After the last optimizer step of an epoch, on every rank.
 
-    Called by :meth:`Trainer.fit` after that step's ``unison_on_train_step_end``;
-    not called for an epoch cut short by ``max_steps``.
+    Called by :meth:`Trainer.fit` after that step's ``unison_on_train_step_end``
+    and metrics, before that step's validation and checkpoint; not called for
+    an epoch cut short by ``max_steps`` or ``should_stop``.
     """
 
 
@@ -217,8 +233,8 @@ def unison_on_validation_start(trainer: "Trainer", step: int) -> None:
     """Before the validation loop that follows optimizer step ``step``, on every rank.
 
     Called by :meth:`Trainer.validate`: every ``val_every_n_steps`` and once at
-    the end of ``fit`` when a ``val_dataset`` is given. The model is put in
-    eval mode right after this hook.
+    the end of ``fit`` when a ``val_dataset`` is given (unless the last step
+    was just validated). The model is put in eval mode right after this hook.
     """
 
 
@@ -244,7 +260,8 @@ def unison_on_save_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") 
     """While a checkpoint is written, before it is committed, on every rank.
 
     Called by :meth:`Trainer.save_checkpoint` (every
-    ``checkpoint_every_n_steps`` and at the end of ``fit``) after the strategy
+    ``checkpoint_every_n_steps`` and at the end of ``fit``, unless the last
+    step was just saved) after the strategy
     wrote its files and before the checkpoint directory is renamed into place;
     an exception here leaves the previous checkpoint as the latest.
 

@@ -558,7 +558,7 @@ class Trainer:
             self.env = self._setup_environment()
             self._fit(model, optimizer, lr_scheduler, val, ckpt_path)
         except BaseException as exc:
-            self.pm.hook.unison_on_exception(trainer=self, exception=exc)
+            self.pm.unison_on_exception(trainer=self, exception=exc)
             raise
         finally:
             data.close()
@@ -593,7 +593,7 @@ class Trainer:
 
     def _fit(self, model: torch.nn.Module, optimizer: OptimizerArg, lr_scheduler: SchedulerArg | None,
              val: tuple[Any, Any, Any] | None, ckpt_path: Any) -> None:
-        s, env, hook, strategy = self.settings, self.env, self.pm.hook, self.strategy
+        s, env, hook, strategy = self.settings, self.env, self.pm, self.strategy
         assert env is not None and self.data is not None
         seed_everything(s.seed)
         if self.ownership.replica_init is ReplicaInit.TRAINER and env.distributed and env.world_size > 1:
@@ -632,7 +632,7 @@ class Trainer:
         hook.unison_on_fit_end(trainer=self)
 
     def _loop(self, val: Any) -> None:
-        s, hook = self.settings, self.pm.hook
+        s, hook = self.settings, self.pm
         assert self.data is not None
         epoch = None
         self._last_validated = self._last_saved = None
@@ -670,7 +670,7 @@ class Trainer:
 
     # -- one optimizer step -------------------------------------------------- #
     def _train_step(self, batch: Any) -> StepOutput:
-        s, hook, strategy, precision = self.settings, self.pm.hook, self.strategy, self.precision
+        s, hook, strategy, precision = self.settings, self.pm, self.strategy, self.precision
         assert precision is not None
         step = batch.step
         hook.unison_on_train_step_start(trainer=self, step=step)
@@ -801,7 +801,7 @@ class Trainer:
         assert self.env is not None and self.precision is not None and self.data is not None
         source, collate, options = self._resolve_validation(dataset, None) if dataset is not None else self._val
         step = self.progress.global_step
-        self.pm.hook.unison_on_validation_start(trainer=self, step=step)
+        self.pm.unison_on_validation_start(trainer=self, step=step)
         model = self.strategy.module
         was_training = model.training
         model.eval()
@@ -821,7 +821,7 @@ class Trainer:
         total = self.strategy.reduce_sum(total)
         metrics = {"val/loss": float(total[0] / total[1])}
         self.last_validation = metrics
-        self.pm.hook.unison_on_validation_end(trainer=self, step=step, metrics=metrics)
+        self.pm.unison_on_validation_end(trainer=self, step=step, metrics=metrics)
         self._emit(metrics)
         return metrics
 
@@ -855,7 +855,7 @@ class Trainer:
 
     def _emit(self, metrics: dict[str, Any]) -> None:
         plain = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
-        self.pm.hook.unison_log_metrics(trainer=self, metrics=plain, step=self.progress.global_step)
+        self.pm.unison_log_metrics(trainer=self, metrics=plain, step=self.progress.global_step)
 
     # -- state ----------------------------------------------------------------- #
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -886,7 +886,7 @@ class Trainer:
                 "precision": self.precision.state_dict() if self.precision is not None else {},
                 "data": self.data.state_dict(self.progress.global_step) if self.data is not None else None,
             }
-            self.pm.hook.unison_on_save_checkpoint(trainer=self, checkpoint=trainer_state)
+            self.pm.unison_on_save_checkpoint(trainer=self, checkpoint=trainer_state)
             if env.rank == 0:
                 torch.save(trainer_state, directory / "trainer.pt")
             return {
@@ -926,4 +926,4 @@ class Trainer:
             # Another world size: no saved RNG for this rank; derive one from
             # the seed and the step so the run stays deterministic.
             seed_everything(self.settings.seed + self.progress.global_step + 7919 * self.env.rank)
-        self.pm.hook.unison_on_load_checkpoint(trainer=self, checkpoint=trainer_state)
+        self.pm.unison_on_load_checkpoint(trainer=self, checkpoint=trainer_state)
