@@ -112,10 +112,12 @@ def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) 
         overrides["strategy"] = strategy
     if max_steps is not None:
         overrides["max_steps"] = max_steps
-    run_config, _ = load_config(config, overrides)
+    run_config, base = load_config(config, overrides)
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         # Validate before any worker or process group starts, then relaunch.
-        build_strategy(run_config.trainer, PluginManager(), nproc)
+        pm = PluginManager()
+        build_strategy(run_config.trainer, pm, nproc)
+        _config_plugins(run_config, base, pm)  # loggers and callbacks: constructing them checks their options
         # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
         argv = ["train", config, *(["--strategy", strategy] if strategy else []),
                 *(["--max-steps", str(max_steps)] if max_steps is not None else [])]
@@ -129,8 +131,7 @@ def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
 
     config, base = load_config(config_path, overrides)
     pm = PluginManager()
-    trainer = Trainer(plugin_manager=pm, callbacks=[p for ps in pm.hook.unison_plugins_from_config(config=config) for p in ps],
-                      **config.trainer.model_dump())
+    trainer = Trainer(plugin_manager=pm, callbacks=_config_plugins(config, base, pm), **config.trainer.model_dump())
     model = resolve_factory(config.model.factory, base)(**config.model.kwargs)
     train_ds, val_ds = resolve_factory(config.data.factory, base)(**config.data.kwargs)
     progress = trainer.fit(
@@ -147,6 +148,13 @@ def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
             console.print(f"final validation loss: {trainer.last_validation['val/loss']:.4f}")
         if trainer.checkpointer is not None and trainer.checkpointer.latest() is not None:
             console.print(f"checkpoint: {trainer.checkpointer.latest()}")
+
+
+def _config_plugins(config: Any, base: Any, pm: PluginManager) -> list[Any]:
+    """Plugins a config asks for: ``[logging]`` etc. through ``unison_plugins_from_config``, then ``[[callbacks]]``."""
+    from unison.config import build_callbacks
+
+    return [p for ps in pm.hook.unison_plugins_from_config(config=config) for p in ps] + build_callbacks(config, base)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,6 +14,7 @@ Conventions (shared by all hooks below):
 
 The order of one ``fit`` call, identical for every strategy::
 
+    (unison_default_plugins, unison_on_trainer_init)   # once, in Trainer(...)
     unison_on_fit_start
     (unison_on_load_checkpoint)              # when resuming
     repeat per epoch:
@@ -25,7 +26,8 @@ The order of one ``fit`` call, identical for every strategy::
         unison_on_after_optimizer_step       # once; says whether it was skipped
         unison_on_train_step_end
         unison_log_metrics                   # every log_every_n_steps
-        (unison_on_validation_start, unison_on_validation_end, unison_log_metrics)
+        (unison_on_validation_start, unison_validation_progress per batch,
+         unison_on_validation_end, unison_log_metrics)
         (unison_on_save_checkpoint)          # every checkpoint_every_n_steps
       unison_on_train_epoch_end
     (unison_on_save_checkpoint)              # final checkpoint, when a dir is set
@@ -278,4 +280,61 @@ def unison_log_metrics(trainer: "Trainer", metrics: "dict[str, float]", step: in
     reduced); loggers that write files should write on
     ``trainer.is_global_zero`` only. ``step`` is the number of optimizer steps
     completed (1-based), the x-axis of every plot.
+    """
+
+
+# --------------------------------------------------------------------------- #
+# Observability: default plugins, settings checks, validation progress.
+# --------------------------------------------------------------------------- #
+
+
+@hookspec
+def unison_default_plugins(settings: Any, plugins: "list[Any]") -> "list[Any]":
+    """Plugins every Trainer gets unless its settings turn them off.
+
+    Called by :class:`~unison.Trainer` once, in its constructor (on every
+    rank, before any process group exists), after the plugins passed as
+    ``callbacks=``/``loggers=`` were registered. This is how the Python API
+    gets a progress display (``settings.progress``) and throughput metrics
+    (``settings.throughput``) without the core importing any plugin.
+
+    Args:
+        settings: the Trainer's :class:`~unison.TrainerSettings`.
+        plugins: the plugins the Trainer was given explicitly; an
+            implementation returns nothing for a kind the user already passed
+            (their own ``ProgressBar(...)`` replaces the default one).
+
+    Returns:
+        Plugin objects to register on this Trainer (may be empty).
+    """
+
+
+@hookspec
+def unison_on_trainer_init(trainer: "Trainer") -> None:
+    """Check, before any process group exists, what a plugin needs from the settings.
+
+    Called by :class:`~unison.Trainer` once, at the end of its constructor, on
+    every rank, after every plugin (default ones included) is registered and
+    the strategy is built. ``trainer.settings`` and ``trainer.ownership`` are
+    final; there is no model, optimizer or process group yet. A plugin raises
+    :class:`~unison.ConfigurationError` here for settings it cannot work with
+    (``ModelCheckpoint`` without ``checkpoint_dir``), so bad input fails
+    before any worker starts training. Return value ignored.
+    """
+
+
+@hookspec
+def unison_validation_progress(trainer: "Trainer", step: int, batch_idx: int, num_batches: "int | None") -> None:
+    """After each validation forward, for progress displays.
+
+    Called by :meth:`Trainer.validate` on every rank, after batch
+    ``batch_idx`` (0-based) of the validation loop that follows optimizer step
+    ``step``, between :func:`unison_on_validation_start` and
+    :func:`unison_on_validation_end`. ``num_batches`` is the number of
+    forwards this rank runs in the loop (``None`` when the dataset does not
+    say). ``val_batch_size`` counts samples per replica, so the number of
+    calls depends on the data-parallel size: this hook is a progress report,
+    not part of the lifecycle sequence that is identical on every backend
+    (hence no ``on_`` in its name). Must not do collective work. Return value
+    ignored.
     """

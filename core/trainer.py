@@ -73,6 +73,12 @@ class TrainerSettings(pydantic.BaseModel):
     """Delete older committed checkpoints beyond this many."""
     accelerator: Literal["auto", "cpu", "cuda"] = "auto"
     """Device kind; ``auto`` takes CUDA when available."""
+    progress: Literal["auto", "rich", "plain", "off"] = "auto"
+    """Progress display on rank 0: ``auto`` draws a live bar in a terminal and prints plain lines otherwise."""
+    progress_every_n_steps: int | None = pydantic.Field(None, ge=1)
+    """Steps between plain progress lines; ``None`` prints about 20 lines per run."""
+    throughput: bool = True
+    """Log step time, samples/s, tokens/s and peak memory on logging steps (the default Throughput callback)."""
 
 
 @dataclass
@@ -85,6 +91,29 @@ class StepOutput:
     grad_norm: float
     lrs: list[float]
     skipped: bool
+    samples: int = 0
+    """Samples in the global batch."""
+    tokens: int | None = None
+    """Tokens in the global batch, all ranks (:func:`count_tokens`); ``None`` when the batch does not say."""
+
+
+def count_tokens(batch: Any) -> int | None:
+    """Tokens in a collated batch; ``None`` when it does not say.
+
+    A mapping's ``attention_mask`` sum, else its ``input_ids`` size; else an
+    ``(inputs, targets)`` pair whose inputs are an integer tensor of at least
+    2 dimensions (token ids): its size.
+    """
+    if isinstance(batch, dict):
+        mask, ids = batch.get("attention_mask"), batch.get("input_ids")
+        if isinstance(mask, torch.Tensor):
+            return int(mask.sum())
+        return ids.numel() if isinstance(ids, torch.Tensor) else None
+    if isinstance(batch, (list, tuple)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
+        inputs = batch[0]
+        if not inputs.is_floating_point() and not inputs.is_complex() and inputs.dim() >= 2:
+            return inputs.numel()
+    return None
 
 
 @dataclass
@@ -182,8 +211,13 @@ class Trainer:
             option = ".".join(str(p) for p in err["loc"])
             raise ConfigurationError(option, err["msg"], "see unison.TrainerSettings for valid values") from None
         self.pm = plugin_manager or PluginManager()
-        for plugin in [*callbacks, *loggers]:
+        explicit = [*callbacks, *loggers]
+        for plugin in explicit:
             self.pm.register(plugin)
+        # Progress display and throughput come from plugins, so the core never imports them.
+        for defaults in self.pm.hook.unison_default_plugins(settings=self.settings, plugins=explicit):
+            for plugin in defaults or ():
+                self.pm.register(plugin)
         self.pm.check_pending()
         _, world_size, _ = _world_from_env()
         self.strategy: Strategy = build_strategy(self.settings, self.pm, world_size)
@@ -198,8 +232,11 @@ class Trainer:
         self.checkpointer = Checkpointer(s.checkpoint_dir, s.keep_last_n_checkpoints) if s.checkpoint_dir else None
         self._owns_process_group = False
         self._final_state: dict[str, torch.Tensor] | None = None
+        self._fitting = False
+        self._pending_metrics: dict[str, float] = {}
         #: Metrics of the most recent validation loop, or ``None``.
         self.last_validation: dict[str, float] | None = None
+        self.pm.hook.unison_on_trainer_init(trainer=self)
 
     # -- properties -------------------------------------------------------- #
     @property
@@ -328,6 +365,7 @@ class Trainer:
             self._load_checkpoint(ckpt_path)
 
         epoch = None
+        self._fitting = True
         for step in range(self.progress.global_step, s.max_steps):
             step_epoch = step // self.plan.steps_per_epoch
             if step_epoch != epoch:
@@ -341,8 +379,12 @@ class Trainer:
             hook.unison_on_train_step_end(trainer=self, step=step, output=output)
             done = step + 1
             if done % s.log_every_n_steps == 0:
-                self._log({"train/loss": output.loss, "train/grad_norm": output.grad_norm,
-                           "train/lr": output.lrs[0], "train/skipped": float(output.skipped)})
+                metrics = {"train/loss": output.loss, "train/grad_norm": output.grad_norm,
+                           "train/lr": output.lrs[0], "train/skipped": float(output.skipped)}
+                if len(output.lrs) > 1:
+                    metrics.update({f"train/lr-group{i}": lr for i, lr in enumerate(output.lrs)})
+                self._log({**metrics, **self._pending_metrics})
+                self._pending_metrics = {}
             if done % self.plan.steps_per_epoch == 0:
                 hook.unison_on_train_epoch_end(trainer=self, epoch=epoch)
             if val_dataset is not None and s.val_every_n_steps and done % s.val_every_n_steps == 0 and done != s.max_steps:
@@ -351,6 +393,10 @@ class Trainer:
                 self.save_checkpoint()
             if self.should_stop:
                 break
+        self._fitting = False
+        if self._pending_metrics:
+            self._log(self._pending_metrics)
+            self._pending_metrics = {}
         if val_dataset is not None:
             self.validate(val_dataset)
         if self.checkpointer is not None:
@@ -365,6 +411,10 @@ class Trainer:
         assert precision is not None
         hook.unison_on_train_step_start(trainer=self, step=step)
         micro_batches = [collate(dataset, idx) for idx in self.plan.local_micro_indices(step)]
+        counts = [count_tokens(b) for b in micro_batches]
+        tokens = None
+        if all(c is not None for c in counts):
+            tokens = int(strategy.reduce_sum(torch.tensor([float(sum(counts))], dtype=torch.float64))[0])
         losses = self._forward_backward(micro_batches)
         hook.unison_on_after_backward(trainer=self, step=step)
 
@@ -391,6 +441,8 @@ class Trainer:
             grad_norm=grad_norm,
             lrs=[g["lr"] for g in strategy.optimizer.param_groups],
             skipped=skipped,
+            samples=s.global_batch_size,
+            tokens=tokens,
         )
 
     def _forward_backward(self, micro_batches: Sequence[tuple[Any, Any]]) -> list[torch.Tensor]:
@@ -434,13 +486,15 @@ class Trainer:
         was_training = model.training
         model.eval()
         total = torch.zeros(2, dtype=torch.float64)
-        for indices, weight in validation_batches(
+        batches = validation_batches(
             len(dataset), self.settings.val_batch_size, self.plan.data_parallel_size, self.plan.data_parallel_rank
-        ):
+        )
+        for i, (indices, weight) in enumerate(batches):
             inputs, targets = collate(dataset, indices)
             with self.precision.forward_context():
                 loss = self.strategy.eval_loss(self.precision.convert_input(inputs), targets, self.loss_fn)
             total += torch.tensor([float(loss) * weight, weight], dtype=torch.float64)
+            self.pm.hook.unison_validation_progress(trainer=self, step=step, batch_idx=i, num_batches=len(batches))
         model.train(was_training)
         total = self.strategy.reduce_sum(total)
         metrics = {"val/loss": float(total[0] / total[1])}
@@ -448,6 +502,17 @@ class Trainer:
         self.pm.hook.unison_on_validation_end(trainer=self, step=step, metrics=metrics)
         self._log(metrics)
         return metrics
+
+    def log(self, metrics: dict[str, float]) -> None:
+        """Send user metrics to every logger (``unison_log_metrics``) at the current step.
+
+        Inside the training loop they are kept (latest value per name) and sent
+        with the next logging step's metrics; outside it they go at once.
+        """
+        if self._fitting:
+            self._pending_metrics.update({k: float(v) for k, v in metrics.items()})
+        else:
+            self._log({k: float(v) for k, v in metrics.items()})
 
     def _log(self, metrics: dict[str, float]) -> None:
         self.pm.hook.unison_log_metrics(trainer=self, metrics=metrics, step=self.progress.global_step)
