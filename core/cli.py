@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from unison.errors import UnisonError
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         sys.exit(1)
     except UnisonError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        # escape: messages name extras like unison[tensorboard], which rich would read as markup
+        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(2)
 
 
