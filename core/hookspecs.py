@@ -71,7 +71,7 @@ def unison_precisions() -> "list[PrecisionSpec]":
     """Register precision plugins by name (``"bf16-mixed"``, ``"apex-O1"``...).
 
     Called by :class:`~unison.registry.PrecisionRegistry` when it is first
-    built, once per plugin. The trainer uses a registered precision only when
+    built (on any rank, before any process group), once per plugin. The trainer uses a registered precision only when
     the strategy declares the precision applied by the trainer or a plugin.
 
     Returns:
@@ -83,8 +83,8 @@ def unison_precisions() -> "list[PrecisionSpec]":
 def unison_add_cli_commands(cli: Any) -> None:
     """Add subcommands to the ``unison`` command line.
 
-    Called once by :func:`unison.cli.main` before parsing arguments, with the
-    root :class:`click.Group`; add commands with ``cli.add_command(...)``. The
+    Called once by :func:`unison.cli.main` before parsing arguments (in the
+    launching process, before any rank exists), with the root :class:`click.Group`; add commands with ``cli.add_command(...)``. The
     conformance suite adds ``unison conformance`` this way, so the core never
     imports it. Return value ignored.
     """
@@ -94,7 +94,8 @@ def unison_add_cli_commands(cli: Any) -> None:
 def unison_plugins_from_config(config: Any) -> "list[Any]":
     """Build plugins (loggers, callbacks) that a config file asks for.
 
-    Called by ``unison train`` once per process, after the config file was
+    Called by ``unison train`` once per process (every rank, and the launcher
+    to check the config before it starts workers), after the config file was
     validated and before the Trainer is built, with the
     :class:`~unison.config.RunConfig`. The JSONL logger and the progress
     display read ``config.logging`` this way, so the core never imports them.
@@ -229,7 +230,7 @@ def unison_on_validation_end(trainer: "Trainer", step: int, metrics: "dict[str, 
     """After the validation loop, on every rank.
 
     Called by :meth:`Trainer.validate`, before the metrics go to
-    ``unison_log_metrics``.
+    ``unison_log_metrics``; ``step`` is the number of optimizer steps completed.
 
     ``metrics["val/loss"]`` is the mean loss over the whole validation set,
     reduced across ranks (the same value on every rank and every backend).
@@ -262,8 +263,8 @@ def unison_on_load_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") 
     """When ``fit`` resumes, after model, optimizer and progress were restored.
 
     Called by :meth:`Trainer.fit` (given ``ckpt_path``) after
-    ``unison_on_fit_start``, on every rank, with the dict rank 0 saved (see
-    :func:`unison_on_save_checkpoint`).
+    ``unison_on_fit_start``, on every rank; ``checkpoint`` is the dict rank 0
+    saved (see :func:`unison_on_save_checkpoint`).
     """
 
 
