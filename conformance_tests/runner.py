@@ -272,16 +272,19 @@ def _instrument(strategy: Any, boundaries: list[bool]) -> None:
     Instance attributes shadow the methods: the strategy's behaviour is
     unchanged, the suite only marks the time spans and records the answers.
     """
-    original_no_sync = strategy.no_sync
+    original_no_sync = getattr(strategy, "no_sync", None)
+    if original_no_sync is not None:
 
-    @contextlib.contextmanager
-    def no_sync() -> Iterator[Any]:
-        with torch.autograd.profiler.record_function(NO_SYNC_MARK):
-            with original_no_sync() as value:
-                yield value
+        @contextlib.contextmanager
+        def no_sync() -> Iterator[Any]:
+            with torch.autograd.profiler.record_function(NO_SYNC_MARK):
+                with original_no_sync() as value:
+                    yield value
 
-    strategy.no_sync = no_sync
-    original_boundary = strategy.is_accumulation_boundary
+        strategy.no_sync = no_sync
+    original_boundary = getattr(strategy, "is_accumulation_boundary", None)
+    if original_boundary is None:
+        return
 
     def is_accumulation_boundary() -> bool:
         answer = bool(original_boundary())

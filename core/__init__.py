@@ -5,30 +5,42 @@ declares who owns gradient accumulation, precision and state_dict
 (:class:`Ownership`), and the conformance suite proves they train alike.
 """
 
-from unison.errors import ConfigurationError, PluginError, UnisonError, UnknownStrategyError
+from unison.env import DistEnv
+from unison.errors import ConfigurationError, DeclaredRefusal, PluginError, UnisonError, UnknownStrategyError
 from unison.manager import PluginManager
 from unison.ownership import (
     AccumulationOwner,
+    Feature,
     GradAccumulation,
+    GradSync,
     Ownership,
     PrecisionOwner,
     PrecisionSupport,
+    ReplicaInit,
     StateDictDeclaration,
     StateDictKind,
+    WorldSizes,
 )
 from unison.plugin import hookimpl
 from unison.precision import Precision
 from unison.registry import PrecisionSpec, StrategySpec
-from unison.strategy import DistEnv, Strategy
-from unison.trainer import Progress, StepOutput, Trainer, TrainerSettings
+from unison.settings import TrainerSettings
+from unison.strategy import DeferredGradSync, EngineAccumulation, ScheduleAccumulation, Strategy
+from unison.trainer import NonFiniteError, Progress, StepOutput, Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AccumulationOwner",
     "ConfigurationError",
+    "DeclaredRefusal",
+    "DeferredGradSync",
     "DistEnv",
+    "EngineAccumulation",
+    "Feature",
     "GradAccumulation",
+    "GradSync",
+    "NonFiniteError",
     "Ownership",
     "PluginError",
     "PluginManager",
@@ -37,6 +49,8 @@ __all__ = [
     "PrecisionSpec",
     "PrecisionSupport",
     "Progress",
+    "ReplicaInit",
+    "ScheduleAccumulation",
     "StateDictDeclaration",
     "StateDictKind",
     "StepOutput",
@@ -46,5 +60,6 @@ __all__ = [
     "TrainerSettings",
     "UnisonError",
     "UnknownStrategyError",
+    "WorldSizes",
     "hookimpl",
 ]

@@ -62,7 +62,15 @@ def describe(name: str) -> None:
     console.print(f"[bold]{name}[/]  {spec.description}")
     console.print(f"options: {options.model_dump()}")
     ga = d["grad_accumulation"]
-    console.print(f"gradient accumulation: owned by [bold]{ga['owner']}[/] – {ga['mechanism']}")
+    sync = f" (gradients synchronised: {ga['sync']})" if ga["owner"] == "trainer" else ""
+    console.print(f"gradient accumulation: owned by [bold]{ga['owner']}[/]{sync} – {escape(ga['mechanism'])}")
+    console.print(f"replicas start equal: made so by the [bold]{d['replica_init']}[/]")
+    forms = [f for f in ("loss_fn", "training_step") if f not in d["refuses"]]
+    console.print(f"batch forms accepted: {', '.join(forms) or 'none'}"
+                  + "".join(f"; {f} refused" for f in ("loss_fn", "training_step") if f in d["refuses"]))
+    ws = d["world_sizes"]
+    if ws["minimum"] > 1 or ws["multiple_of"] > 1:
+        console.print(f"world sizes: at least {ws['minimum']}, multiples of {ws['multiple_of']} – {escape(ws['reason'])}")
     table = Table(title="precision")
     for col in ("precision", "applied by", "detail"):
         table.add_column(col)
@@ -74,6 +82,15 @@ def describe(name: str) -> None:
         f"state_dict: [bold]{sd['kind']}[/], format: {sd['format']}; reshardable: {sd['reshardable']}; "
         f"canonical export: {sd['canonical_export']}"
     )
+    refusals = Table(title="refuses (before any process group)")
+    for col in ("feature", "reason"):
+        refusals.add_column(col)
+    for feature, reason in d["refuses"].items():
+        refusals.add_row(feature, escape(reason))
+    if d["refuses"]:
+        console.print(refusals)
+    else:
+        console.print("refuses: nothing (every batch form and feature is supported)")
     if d["non_conformant"]:
         console.print(f"[red]non-conformant: {d['non_conformant']}[/]")
     for note in d["notes"]:

@@ -51,7 +51,7 @@ import torch
 import yaml
 
 from unison.errors import ConfigurationError
-from unison.trainer import TrainerSettings
+from unison.settings import TrainerSettings
 
 
 class _Strict(pydantic.BaseModel):
@@ -124,7 +124,7 @@ class LoggingConfig(_Strict):
 
 
 class RunConfig(_Strict):
-    trainer: TrainerSettings = TrainerSettings()
+    trainer: TrainerSettings
     model: FactoryConfig
     data: FactoryConfig
     loss: LossConfig

@@ -18,6 +18,19 @@ class ConfigurationError(UnisonError, ValueError):
         super().__init__(f"{option}: {problem}. Fix: {fix}")
 
 
+class DeclaredRefusal(ConfigurationError):
+    """A run asks for something the strategy's declaration says it refuses.
+
+    ``feature`` names it: a :class:`~unison.ownership.Feature` value,
+    ``"precision:NAME"`` or ``"world_size"``. The conformance suite counts
+    only these (and refusals of declared-refused features) as "declared out".
+    """
+
+    def __init__(self, option: str, problem: str, fix: str, *, feature: str) -> None:
+        super().__init__(option, problem, fix)
+        self.feature = feature
+
+
 class UnknownStrategyError(ConfigurationError, KeyError):
     def __str__(self) -> str:  # KeyError would repr() the message
         return self.args[0]

@@ -1,8 +1,14 @@
-"""Ownership declarations: who owns accumulation, precision and state_dict.
+"""Ownership declarations: who owns accumulation, precision, state_dict and replica init.
 
 Every strategy returns one frozen :class:`Ownership` value. The trainer reads
 it and never looks at the strategy's class or name; ``unison describe NAME``
 prints it; the conformance suite verifies it instead of trusting it.
+
+Everything a strategy may refuse is declared here too: a precision
+(``precision[name]`` unsupported), a :class:`Feature` (``refuses``), a world
+size (``world_sizes``). The trainer enforces the declaration before any
+process group starts, and the conformance suite fails a strategy that refuses
+something it declares supported.
 """
 
 from __future__ import annotations
@@ -50,11 +56,25 @@ class StateDictKind(str, enum.Enum):
     SHARDED = "sharded"  #: each rank writes its own shard
 
 
+class GradSync(str, enum.Enum):
+    """When gradients are synchronised across replicas under trainer-owned accumulation."""
+
+    #: Only at the last micro-step of an optimizer step: the strategy's
+    #: ``no_sync()`` defers synchronisation on the others (DDP, FSDP).
+    BOUNDARY = "boundary"
+    #: At every micro-step (numerically the same result, more communication);
+    #: the strategy has no ``no_sync()`` and the trainer enters none.
+    EVERY_MICRO_STEP = "every-micro-step"
+
+
 @dataclass(frozen=True)
 class GradAccumulation:
     owner: AccumulationOwner
     #: How gradient sync is skipped or the boundary decided, in words.
     mechanism: str
+    #: For ``owner=trainer``: when gradients are synchronised (the suite
+    #: counts the collectives against it). Ignored for the other owners.
+    sync: GradSync = GradSync.BOUNDARY
 
 
 @dataclass(frozen=True)
@@ -66,6 +86,11 @@ class PrecisionSupport:
     @property
     def supported(self) -> bool:
         return self.owner is not PrecisionOwner.UNSUPPORTED
+
+    @property
+    def applied_by_trainer(self) -> bool:
+        """The trainer builds the registered precision plugin and drives it (trainer- or plugin-owned)."""
+        return self.owner in (PrecisionOwner.TRAINER, PrecisionOwner.PLUGIN)
 
     @classmethod
     def unsupported(cls, reason: str) -> "PrecisionSupport":
@@ -83,6 +108,78 @@ class StateDictDeclaration:
     canonical_export: str
 
 
+class ReplicaInit(str, enum.Enum):
+    """Who makes every replica start from the same weights."""
+
+    #: The trainer broadcasts global rank 0's parameters and buffers to every
+    #: rank after the process group exists and before ``setup``.
+    TRAINER = "trainer"
+    #: The strategy's ``setup`` does it (DDP's constructor broadcasts rank 0's
+    #: module state); the trainer does not. The conformance suite perturbs the
+    #: weights of every rank but 0 to prove it.
+    STRATEGY = "strategy"
+
+
+class Feature(str, enum.Enum):
+    """Things a run may ask of a strategy, each of which it may declare it refuses."""
+
+    #: Batches ``(inputs, targets)`` trained with ``loss_fn(model(inputs), targets)``.
+    LOSS_FN = "loss_fn"
+    #: Batches of any structure trained with ``training_step(model, batch) -> loss``.
+    TRAINING_STEP = "training_step"
+    #: ``accumulate_grad_batches > 1``.
+    GRADIENT_ACCUMULATION = "gradient_accumulation"
+    #: ``grad_clip_norm`` set.
+    GRADIENT_CLIPPING = "gradient_clipping"
+    #: Resuming from a checkpoint (``ckpt_path``).
+    RESUME = "resume"
+    #: A model with a parameter reachable under two names (tied weights).
+    TIED_WEIGHTS = "tied_weights"
+    #: A model with parameters that do not require gradients.
+    FROZEN_PARAMETERS = "frozen_parameters"
+    #: A model with buffers (BatchNorm statistics, counters).
+    BUFFERS = "buffers"
+    #: A model that is not an ``nn.Sequential`` and declares no split points
+    #: (``pipeline_layers = [child names in forward order]``).
+    ARBITRARY_MODULE = "arbitrary_module"
+
+    @property
+    def description(self) -> str:
+        return _FEATURE_DESCRIPTIONS[self]
+
+
+_FEATURE_DESCRIPTIONS = {
+    Feature.LOSS_FN: "(inputs, targets) batches with loss_fn(outputs, targets)",
+    Feature.TRAINING_STEP: "the training_step(model, batch) form",
+    Feature.GRADIENT_ACCUMULATION: "gradient accumulation (accumulate_grad_batches > 1)",
+    Feature.GRADIENT_CLIPPING: "gradient clipping (grad_clip_norm)",
+    Feature.RESUME: "resuming from a checkpoint (ckpt_path)",
+    Feature.TIED_WEIGHTS: "models with tied (shared) parameters",
+    Feature.FROZEN_PARAMETERS: "models with frozen parameters (requires_grad=False)",
+    Feature.BUFFERS: "models with buffers",
+    Feature.ARBITRARY_MODULE: "models that are not an nn.Sequential and declare no split points (pipeline_layers)",
+}
+
+
+@dataclass(frozen=True)
+class WorldSizes:
+    """The world sizes a configured strategy runs at: ``minimum`` and multiples of ``multiple_of``."""
+
+    minimum: int = 1
+    multiple_of: int = 1
+    #: Why the restriction exists (shown by ``unison describe`` and in the error).
+    reason: str = ""
+
+    def refusal(self, world_size: int) -> str | None:
+        """Why ``world_size`` is refused, or ``None``."""
+        if world_size < self.minimum or world_size % self.multiple_of:
+            rule = f"at least {self.minimum}" if self.multiple_of == 1 else (
+                f"a multiple of {self.multiple_of}" + (f", at least {self.minimum}" if self.minimum > self.multiple_of else "")
+            )
+            return f"world size {world_size} is not {rule}" + (f": {self.reason}" if self.reason else "")
+        return None
+
+
 @dataclass(frozen=True)
 class Ownership:
     """The whole declaration of one configured strategy."""
@@ -95,13 +192,25 @@ class Ownership:
     #: runs it and shows the failure).
     non_conformant: str | None = None
     notes: tuple[str, ...] = field(default=())
+    #: Who makes replicas start from rank 0's weights.
+    replica_init: ReplicaInit = ReplicaInit.TRAINER
+    #: Features this strategy refuses, each with the reason (every other
+    #: :class:`Feature` is supported). Refused before any process group.
+    refuses: Mapping[Feature, str] = field(default_factory=dict)
+    #: The world sizes it runs at.
+    world_sizes: WorldSizes = WorldSizes()
 
     def __post_init__(self) -> None:
         missing = [p for p in STANDARD_PRECISIONS if p not in self.precision]
         if missing:
             raise ValueError(f"Ownership.precision must declare every standard precision; missing {missing}")
-        # Freeze the mapping too: a declaration never changes after construction.
+        # Freeze the mappings too: a declaration never changes after construction.
         object.__setattr__(self, "precision", MappingProxyType(dict(self.precision)))
+        object.__setattr__(self, "refuses", MappingProxyType({Feature(k): str(v) for k, v in self.refuses.items()}))
+
+    def refusal(self, feature: Feature | str) -> str | None:
+        """The declared reason this strategy refuses ``feature``, or ``None`` when it supports it."""
+        return self.refuses.get(Feature(feature))
 
     def precision_support(self, name: str) -> PrecisionSupport:
         try:
@@ -125,6 +234,9 @@ class Ownership:
             "grad_accumulation": plain(asdict(self.grad_accumulation)),
             "precision": {k: plain(asdict(v)) for k, v in self.precision.items()},
             "state_dict": plain(asdict(self.state_dict)),
+            "replica_init": self.replica_init.value,
+            "refuses": {k.value: v for k, v in self.refuses.items()},
+            "world_sizes": asdict(self.world_sizes),
             "non_conformant": self.non_conformant,
             "notes": list(self.notes),
         }

@@ -22,16 +22,31 @@ already configured its engine or policy for that precision in ``setup``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager
+from typing import TYPE_CHECKING, Any, Callable, ContextManager
 
 import torch
 
+if TYPE_CHECKING:  # pragma: no cover
+    from unison.ownership import PrecisionSupport
+
 
 class Precision:
-    """Base class: full fp32 behaviour. Subclasses override what they change."""
+    """Base class: full fp32 behaviour. Subclasses override what they change.
+
+    The trainer hands strategies one precision object; they read
+    :attr:`name` and :attr:`support` (the strategy's own declaration for that
+    name) and nothing else about precision.
+    """
 
     #: The registered name, e.g. ``"bf16-mixed"``.
     name: str = "32-true"
+    #: The strategy's declared support for :attr:`name` (set by the trainer).
+    support: "PrecisionSupport | None" = None
+
+    @property
+    def applied_by_trainer(self) -> bool:
+        """Whether the trainer applies this precision (autocast, scaler, casts) rather than the backend."""
+        return self.support is None or self.support.applied_by_trainer
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module
@@ -49,12 +64,16 @@ class Precision:
     def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         pass
 
-    def step(self, optimizer_step: Callable[[], bool], optimizer: torch.optim.Optimizer, grad_norm: float) -> bool:
+    #: Whether this precision skips steps whose gradients overflowed (loss scaling).
+    skips_overflow: bool = False
+
+    def step(self, optimizer_step: Callable[[], bool], optimizer: torch.optim.Optimizer, finite: bool) -> bool:
         """Run ``optimizer_step`` unless this precision skips it; return ``skipped``.
 
-        ``grad_norm`` is the global, unscaled norm the strategy measured, so a
-        loss-scaling precision decides on the same number on every rank.
-        ``optimizer_step`` returns ``True`` when the strategy's engine skipped.
+        ``finite`` says whether the global, unscaled grad norm the strategy
+        measured is finite (the same answer on every rank), so a loss-scaling
+        precision skips the same steps everywhere. ``optimizer_step`` returns
+        ``True`` when the strategy's engine skipped.
         """
         return bool(optimizer_step())
 
@@ -77,11 +96,7 @@ class DelegatedPrecision(Precision):
 
 
 def cast_floating(data: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor in a (nested) batch to ``dtype``."""
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if data.is_floating_point() else data
-    if isinstance(data, (list, tuple)):
-        return type(data)(cast_floating(d, dtype) for d in data)
-    if isinstance(data, dict):
-        return {k: cast_floating(v, dtype) for k, v in data.items()}
-    return data
+    """Cast every floating-point tensor of a batch of any structure to ``dtype``; integer leaves (token ids) stay."""
+    from unison.batch import map_tensors
+
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, data)

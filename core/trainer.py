@@ -1,12 +1,24 @@
 """The Trainer: owns the loop, reads strategy declarations, calls hooks.
 
-The loop never branches on a strategy's class or name. The only places it
-behaves differently per backend read :attr:`Strategy.ownership`:
+The loop never branches on a strategy's class or name. Where it behaves
+differently per backend it reads :attr:`Strategy.ownership`:
 
-* ``grad_accumulation.owner`` picks how micro-batches are fed (see
-  :mod:`unison.strategy` for the three forms);
+* ``grad_accumulation`` picks how micro-batches are fed (see
+  :mod:`unison.strategy` for the three interfaces);
 * ``precision[name].owner`` picks whether the trainer applies the precision
-  (autocast, scaler, casts) or leaves it to the engine or sharding policy.
+  (autocast, scaler, casts) or leaves it to the engine or sharding policy;
+* ``replica_init`` says whether the trainer broadcasts rank 0's weights;
+* ``refuses`` / ``world_sizes`` say what is refused before any process group.
+
+Order of one ``fit`` (see :mod:`unison.hookspecs` for the hooks)::
+
+    checks, model build (seeded), data probe       no process group yet
+    process group, replica sync, strategy.setup
+    fit_start, (load_checkpoint)
+    per step: epoch_start?, step_start, micro-batches, after_backward,
+              before_optimizer_step, after_optimizer_step, step_end, log,
+              epoch_end?, validation?, checkpoint?, agreed stop?
+    final validation and checkpoint (unless that step just had them), fit_end
 """
 
 from __future__ import annotations
@@ -14,106 +26,116 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import math
 import os
+from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-import pydantic
 import torch
-from torch.utils.data import Dataset
 
+from unison.batch import tensor_leaves
 from unison.checkpoint import Checkpointer
-from unison.data import BatchPlan, collate, validation_batches
-from unison.errors import ConfigurationError
+from unison.data import TrainData, check_divisible, is_map_style, resolve_source, validation_stream
+from unison.env import DistEnv, device_for, resolve_accelerator, world_from_env
+from unison.errors import ConfigurationError, DeclaredRefusal, UnisonError
 from unison.manager import PluginManager
-from unison.ownership import AccumulationOwner, PrecisionOwner
+from unison.ownership import AccumulationOwner, Feature, GradSync, ReplicaInit
 from unison.precision import DelegatedPrecision, Precision
+from unison.settings import TrainerSettings, parse_settings
 from unison.state import rng_state, seed_everything, set_rng_state
-from unison.strategy import DistEnv, LossFn, Strategy
+from unison.strategy import LossFn, Strategy, check_contract
 
 OptimizerArg = Callable[[Any], torch.optim.Optimizer]
 SchedulerArg = Callable[[torch.optim.Optimizer], Any]
+TrainingStep = Callable[[Any, Any], torch.Tensor]
+
+#: Steps kept in :attr:`Progress.history` (a bounded window; never saved in checkpoints).
+HISTORY_LENGTH = 1000
+
+__all__ = ["NonFiniteError", "Progress", "StepOutput", "Trainer", "TrainerSettings", "build_strategy"]
 
 
-class TrainerSettings(pydantic.BaseModel):
-    """Everything that configures a Trainer; the ``[trainer]`` table of a config file."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
-
-    strategy: str = "single"
-    """Registered strategy name (``unison strategies`` lists them)."""
-    strategy_options: dict[str, Any] = {}
-    """Options of that strategy, validated by its own schema."""
-    precision: str = "32-true"
-    """``32-true`` | ``bf16-mixed`` | ``bf16-true`` | ``16-mixed`` | a plugin's name."""
-    accumulate_grad_batches: int = pydantic.Field(1, ge=1)
-    """Micro-batches per optimizer step."""
-    global_batch_size: int = pydantic.Field(32, ge=1)
-    """Samples per optimizer step, all ranks together."""
-    max_steps: int = pydantic.Field(100, ge=0)
-    """Optimizer steps to train for (skipped fp16 steps count)."""
-    grad_clip_norm: float | None = pydantic.Field(None, gt=0)
-    """Clip by the global L2 norm over all shards; ``None`` only measures it."""
-    seed: int = 0
-    """Seeds model init, data order and every RNG."""
-    shuffle: bool = True
-    """Shuffle the dataset once per epoch (by seed and epoch, never by rank)."""
-    log_every_n_steps: int = pydantic.Field(1, ge=1)
-    """How often metrics go to loggers."""
-    val_every_n_steps: int | None = pydantic.Field(None, ge=1)
-    """Validate every N steps; with a val_dataset, always once at the end."""
-    val_batch_size: int = pydantic.Field(32, ge=1)
-    """Validation samples per rank per forward."""
-    checkpoint_dir: str | None = None
-    """Where checkpoints go; ``None`` writes none."""
-    checkpoint_every_n_steps: int | None = pydantic.Field(None, ge=1)
-    """Save every N steps (and always at the end when checkpoint_dir is set)."""
-    keep_last_n_checkpoints: int | None = pydantic.Field(None, ge=1)
-    """Delete older committed checkpoints beyond this many."""
-    accelerator: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device kind; ``auto`` takes CUDA when available."""
-    progress: Literal["auto", "rich", "plain", "off"] = "auto"
-    """Progress display on rank 0: ``auto`` draws a live bar in a terminal and prints plain lines otherwise."""
-    progress_every_n_steps: int | None = pydantic.Field(None, ge=1)
-    """Steps between plain progress lines; ``None`` prints about 20 lines per run."""
-    throughput: bool = True
-    """Log step time, samples/s, tokens/s and peak memory on logging steps (the default Throughput callback)."""
+class NonFiniteError(UnisonError, FloatingPointError):
+    """The loss or the global grad norm was not finite (raised on every rank at the same step)."""
 
 
-@dataclass
 class StepOutput:
-    """What one optimizer step produced, identical on every rank."""
+    """What one optimizer step produced; the same numbers on every rank and every backend.
 
-    step: int
-    loss: float
-    micro_losses: list[float]
-    grad_norm: float
-    lrs: list[float]
-    skipped: bool
-    samples: int = 0
-    """Samples in the global batch."""
-    tokens: int | None = None
-    """Tokens in the global batch, all ranks (:func:`count_tokens`); ``None`` when the batch does not say."""
-
-
-def count_tokens(batch: Any) -> int | None:
-    """Tokens in a collated batch; ``None`` when it does not say.
-
-    A mapping's ``attention_mask`` sum, else its ``input_ids`` size; else an
-    ``(inputs, targets)`` pair whose inputs are an integer tensor of at least
-    2 dimensions (token ids): its size.
+    Values live on the rank's device until read: ``loss``, ``micro_losses``,
+    ``grad_norm`` and ``tokens`` materialise (one device-to-host read) on first
+    access, so a step nobody looks at costs no synchronisation. The ``*_tensor``
+    attributes give the device values. Also readable as a mapping
+    (``output["loss"]``; ``"lr"`` is the first group's learning rate).
     """
-    if isinstance(batch, dict):
-        mask, ids = batch.get("attention_mask"), batch.get("input_ids")
-        if isinstance(mask, torch.Tensor):
-            return int(mask.sum())
-        return ids.numel() if isinstance(ids, torch.Tensor) else None
-    if isinstance(batch, (list, tuple)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
-        inputs = batch[0]
-        if not inputs.is_floating_point() and not inputs.is_complex() and inputs.dim() >= 2:
-            return inputs.numel()
-    return None
+
+    def __init__(self, step: int, micro_losses: torch.Tensor, grad_norm: torch.Tensor, lrs: list[float],
+                 skipped: bool, samples: int, tokens: torch.Tensor | None) -> None:
+        self.step = step
+        #: Every micro-batch's loss, averaged over data-parallel replicas (device tensor).
+        self.micro_loss_tensor = micro_losses
+        #: The global pre-clip L2 grad norm (0-dim device tensor).
+        self.grad_norm_tensor = grad_norm
+        #: Every parameter group's learning rate used by this step.
+        self.lrs = lrs
+        #: Whether the optimizer update (and the scheduler step) was skipped.
+        self.skipped = skipped
+        #: Samples in the global batch.
+        self.samples = samples
+        self._tokens = tokens
+        self._cache: dict[str, Any] = {}
+
+    @property
+    def loss_tensor(self) -> torch.Tensor:
+        """The global-batch mean loss (0-dim device tensor)."""
+        return self.micro_loss_tensor.mean()
+
+    @property
+    def micro_losses(self) -> list[float]:
+        if "micro" not in self._cache:
+            self._cache["micro"] = self.micro_loss_tensor.tolist()
+        return self._cache["micro"]
+
+    @property
+    def loss(self) -> float:
+        micro = self.micro_losses
+        return sum(micro) / len(micro)
+
+    @property
+    def grad_norm(self) -> float:
+        if "norm" not in self._cache:
+            self._cache["norm"] = float(self.grad_norm_tensor)
+        return self._cache["norm"]
+
+    @property
+    def tokens(self) -> int | None:
+        """Tokens in the global batch, all ranks (``None`` when the batch does not say)."""
+        if self._tokens is None:
+            return None
+        if "tokens" not in self._cache:
+            self._cache["tokens"] = int(self._tokens)
+        return self._cache["tokens"]
+
+    _KEYS = ("step", "loss", "micro_losses", "grad_norm", "lr", "lrs", "skipped", "samples", "tokens")
+
+    def __getitem__(self, key: str) -> Any:
+        if key == "lr":
+            return self.lrs[0]
+        if key not in self._KEYS:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def keys(self) -> tuple[str, ...]:
+        return self._KEYS
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: self[k] for k in self._KEYS}
+
+    def __repr__(self) -> str:
+        return f"StepOutput(step={self.step}, skipped={self.skipped}, samples={self.samples})"
 
 
 @dataclass
@@ -121,36 +143,90 @@ class Progress:
     global_step: int = 0
     """Optimizer steps attempted (global batches consumed)."""
     optimizer_steps: int = 0
-    """Optimizer updates that happened (fp16 overflow skips one)."""
+    """Optimizer updates that happened (a skipped step is not one)."""
     scheduler_steps: int = 0
-    history: list[dict[str, Any]] = field(default_factory=list)
+    skipped_steps: int = 0
+    """Steps skipped (fp16 overflow, or a non-finite step under ``nonfinite='skip'``)."""
+    history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_LENGTH), repr=False, compare=False)
+    """The last steps' :class:`StepOutput` values (bounded; not saved in checkpoints)."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"global_step": self.global_step, "optimizer_steps": self.optimizer_steps,
+                "scheduler_steps": self.scheduler_steps, "skipped_steps": self.skipped_steps}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> "Progress":
+        return cls(**{k: int(state.get(k, 0)) for k in ("global_step", "optimizer_steps", "scheduler_steps",
+                                                        "skipped_steps")})
+
+
+# --------------------------------------------------------------------------- #
+# Checks before any process group
+# --------------------------------------------------------------------------- #
+
+
+def _refuse(strategy: Strategy, feature: Feature, option: str, fix: str) -> None:
+    reason = strategy.ownership.refusal(feature)
+    if reason is not None:
+        raise DeclaredRefusal(
+            option,
+            f"strategy {strategy.name!r} declares it does not support {feature.description}: {reason}",
+            fix + f" (see `unison describe {strategy.name}`)",
+            feature=feature.value,
+        )
 
 
 def build_strategy(settings: TrainerSettings, pm: PluginManager, world_size: int) -> Strategy:
-    """Create the strategy and check the settings against it for ``world_size`` ranks.
+    """Create the strategy and check the settings against its declaration for ``world_size`` ranks.
 
     Everything here runs before any process group exists; launchers call it
     too so that bad input fails before workers start.
     """
     strategy = pm.strategies.create(settings.strategy, settings.strategy_options)
-    support = strategy.ownership.precision_support(settings.precision)
+    check_contract(strategy)
+    ownership = strategy.ownership
+    support = ownership.precision_support(settings.precision)
     if not support.supported:
-        raise ConfigurationError(
+        raise DeclaredRefusal(
             "precision",
             f"strategy {settings.strategy!r} does not support precision {settings.precision!r}: {support.detail}",
             f"pick a precision the strategy supports (see `unison describe {settings.strategy}`)",
+            feature=f"precision:{settings.precision}",
         )
-    if support.owner in (PrecisionOwner.TRAINER, PrecisionOwner.PLUGIN):
+    if support.applied_by_trainer:
         spec = pm.precisions.get(settings.precision)
         if spec.unavailable:
             raise ConfigurationError(
                 "precision", f"{spec.name!r} is unavailable here: {spec.unavailable}", "pick another precision"
             )
+    refused_world = ownership.world_sizes.refusal(world_size)
+    if refused_world is not None:
+        raise DeclaredRefusal(
+            "world size", f"strategy {settings.strategy!r} cannot run here: {refused_world}",
+            "launch a world size the strategy declares (see `unison describe " + settings.strategy + "`)",
+            feature="world_size",
+        )
+    if settings.accumulate_grad_batches > 1:
+        _refuse(strategy, Feature.GRADIENT_ACCUMULATION, "accumulate_grad_batches", "set accumulate_grad_batches=1")
+    if settings.grad_clip_norm is not None:
+        _refuse(strategy, Feature.GRADIENT_CLIPPING, "grad_clip_norm", "set grad_clip_norm=None")
+    resolve_accelerator(settings.accelerator)
     strategy.validate(settings, world_size)
-    BatchPlan.check_divisible(
-        settings.global_batch_size, settings.accumulate_grad_batches, strategy.data_parallel_size(world_size)
-    )
+    check_divisible(settings.global_batch_size, settings.accumulate_grad_batches, strategy.data_parallel_size(world_size))
     return strategy
+
+
+def _check_callable(value: Any, option: str, shape: str, example: str, arity: int) -> None:
+    if not callable(value):
+        raise ConfigurationError(option, f"expected a callable {shape}, got {type(value).__name__}", f"pass e.g. {example}")
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    try:
+        signature.bind(*([object()] * arity))
+    except TypeError as exc:
+        raise ConfigurationError(option, f"{option}{signature} cannot be called as {shape} ({exc})", f"pass e.g. {example}") from None
 
 
 def _check_loss_fn(loss_fn: Any) -> None:
@@ -160,27 +236,114 @@ def _check_loss_fn(loss_fn: Any) -> None:
     outputs and the targets; a loss that needs more (the inputs, the model)
     could never run there, so it is refused for every strategy alike.
     """
-    try:
-        signature = inspect.signature(loss_fn)
-    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
-        return
-    try:
-        signature.bind(object(), object())
-    except TypeError as exc:
-        raise ConfigurationError(
-            "loss_fn",
-            f"loss_fn{signature} cannot be called as loss_fn(outputs, targets) ({exc})",
-            "take exactly (outputs, targets); compute anything that needs the inputs inside the model's forward "
-            "(a pipeline's last stage has only its outputs and the targets)",
-        ) from None
-
-
-def _world_from_env() -> tuple[int, int, int]:
-    return (
-        int(os.environ.get("RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
-        int(os.environ.get("LOCAL_RANK", 0)),
+    _check_callable(
+        loss_fn, "loss_fn", "loss_fn(outputs, targets)",
+        "torch.nn.functional.cross_entropy; compute anything that needs the inputs inside the model's forward, or "
+        "use training_step=lambda model, batch: ... (a pipeline's last stage has only its outputs and the targets)",
+        2,
     )
+
+
+def _build_model(model: Any, seed: int) -> torch.nn.Module:
+    """The model, built after seeding when ``model`` is a zero-argument factory."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    if not callable(model):
+        raise ConfigurationError(
+            "model", f"expected an nn.Module or a zero-argument factory returning one, got {type(model).__name__}",
+            "pass the model, or `lambda: MyModel(config)`",
+        )
+    # Seed first: reruns and every rank build identical weights.
+    seed_everything(seed)
+    built = model()
+    if not isinstance(built, torch.nn.Module):
+        raise ConfigurationError(
+            "model", f"the model factory returned {type(built).__name__}, not a torch.nn.Module",
+            "return the constructed module from the factory",
+        )
+    return built
+
+
+def _probe_optimizer(optimizer: Any, lr_scheduler: Any, model: torch.nn.Module) -> None:
+    """Call the factories once on the real parameters and check what they return."""
+    _check_callable(optimizer, "optimizer", "optimizer(params)", "lambda params: torch.optim.AdamW(params, lr=1e-3)", 1)
+    if isinstance(optimizer, torch.optim.Optimizer):  # pragma: no cover - caught by the callable check above
+        raise ConfigurationError("optimizer", "got an Optimizer instance", "pass a factory: lambda params: ...")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = _checked_optimizer(optimizer, trainable)
+    if lr_scheduler is not None:
+        _check_callable(lr_scheduler, "lr_scheduler", "lr_scheduler(optimizer)",
+                        "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)", 1)
+        _check_scheduler(lr_scheduler(opt))
+
+
+def _checked_optimizer(factory: OptimizerArg, params: Any) -> torch.optim.Optimizer:
+    """``factory(params)``, refused unless it is an Optimizer over every trainable parameter given."""
+    params = list(params)
+    opt = factory(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigurationError(
+            "optimizer", f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer",
+            "return e.g. torch.optim.AdamW(params, lr=1e-3) built on the params argument",
+        )
+    given = {id(p) for p in params if isinstance(p, torch.Tensor) and p.requires_grad}
+    for group in params:
+        if isinstance(group, Mapping):
+            given |= {id(p) for p in group["params"] if p.requires_grad}
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    missing = given - held
+    if missing:
+        raise ConfigurationError(
+            "optimizer",
+            f"the optimizer holds {len(given) - len(missing)} of the {len(given)} trainable parameters it was given "
+            "(a factory that ignores its argument trains nothing)",
+            "build the optimizer on the params argument: lambda params: torch.optim.AdamW(params, lr=1e-3)",
+        )
+    return opt
+
+
+def _check_scheduler(scheduler: Any) -> None:
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigurationError(
+            "lr_scheduler", "ReduceLROnPlateau steps on a monitored metric, but the trainer steps the scheduler "
+            "once per optimizer step without one", "use a step-based scheduler (e.g. CosineAnnealingLR, LambdaLR)",
+        )
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise ConfigurationError(
+            "lr_scheduler", f"the scheduler factory returned {type(scheduler).__name__}, not a torch LRScheduler",
+            "return e.g. torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100) built on its argument",
+        )
+
+
+def _broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:
+    """Make every rank's parameters and buffers equal to rank ``src``'s, in buckets of one dtype."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    tensors = [t.data for t in [*module.parameters(), *module.buffers()]]
+    seen: set[int] = set()
+    unique = [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]  # tied weights once
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in unique:
+        by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    bucket_bytes = 64 << 20
+    for group in by_dtype.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in [*group, None]:
+            if t is not None:
+                bucket.append(t)
+                size += t.numel() * t.element_size()
+            if bucket and (t is None or size >= bucket_bytes):
+                flat = _flatten_dense_tensors(bucket)
+                torch.distributed.broadcast(flat, src=src)
+                for dst, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                    dst.copy_(value)
+                bucket, size = [], 0
+
+
+# --------------------------------------------------------------------------- #
+# The trainer
+# --------------------------------------------------------------------------- #
 
 
 class Trainer:
@@ -190,10 +353,20 @@ class Trainer:
         callbacks: pluggy plugins (objects with ``@unison.hookimpl`` methods).
         loggers: also plugins; they implement ``unison_log_metrics``.
         plugin_manager: reuse a manager instead of building one (advanced).
+        nonfinite: what a non-finite loss or grad norm does in a precision
+            without loss scaling: ``"raise"`` (default: every rank stops at that
+            step with :class:`NonFiniteError`, before the optimizer step, so no
+            checkpoint ever holds non-finite weights; costs one device-to-host
+            read per step), ``"skip"`` (the step and the scheduler step are
+            skipped, counted in ``progress.skipped_steps``), ``"continue"`` (no
+            check).
+        max_consecutive_skips: skipped steps in a row (fp16 overflows, or
+            ``nonfinite="skip"``) after which training stops with
+            :class:`NonFiniteError` instead of skipping forever.
         **settings: the fields of :class:`TrainerSettings`.
 
-    All validation happens here and at the start of :meth:`fit`, before any
-    process group is created.
+    Every check that can be made before the process group starts is made here
+    and at the start of :meth:`fit`.
     """
 
     def __init__(
@@ -202,14 +375,16 @@ class Trainer:
         callbacks: Iterable[Any] = (),
         loggers: Iterable[Any] = (),
         plugin_manager: PluginManager | None = None,
+        nonfinite: str = "raise",
+        max_consecutive_skips: int = 25,
         **settings: Any,
     ) -> None:
-        try:
-            self.settings = TrainerSettings(**settings)
-        except pydantic.ValidationError as exc:
-            err = exc.errors()[0]
-            option = ".".join(str(p) for p in err["loc"])
-            raise ConfigurationError(option, err["msg"], "see unison.TrainerSettings for valid values") from None
+        self.settings = parse_settings(settings)
+        if nonfinite not in ("raise", "skip", "continue"):
+            raise ConfigurationError("nonfinite", f"unknown policy {nonfinite!r}", "use 'raise', 'skip' or 'continue'")
+        if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1:
+            raise ConfigurationError("max_consecutive_skips", f"got {max_consecutive_skips!r}", "pass an int >= 1")
+        self.nonfinite, self.max_consecutive_skips = nonfinite, max_consecutive_skips
         self.pm = plugin_manager or PluginManager()
         explicit = [*callbacks, *loggers]
         for plugin in explicit:
@@ -219,21 +394,32 @@ class Trainer:
             for plugin in defaults or ():
                 self.pm.register(plugin)
         self.pm.check_pending()
-        _, world_size, _ = _world_from_env()
+        _, world_size, _ = world_from_env()
         self.strategy: Strategy = build_strategy(self.settings, self.pm, world_size)
         self.ownership = self.strategy.ownership
-        self._precision_support = self.ownership.precision_support(self.settings.precision)
         self.progress = Progress()
+        #: Set by a plugin to end training after the current step. Every
+        #: rank's flag is combined at the step boundary: one rank asking
+        #: stops all ranks at the same step.
         self.should_stop = False
         self.env: DistEnv | None = None
         self.precision: Precision | None = None
         self.lr_scheduler: Any = None
+        self.data: TrainData | None = None
         s = self.settings
         self.checkpointer = Checkpointer(s.checkpoint_dir, s.keep_last_n_checkpoints) if s.checkpoint_dir else None
         self._owns_process_group = False
+        self._control_group: Any = None
+        #: ``False`` until ``fit`` has finished its checks and starts the process
+        #: group and the strategy's setup (refusals only ever happen before).
+        self.setup_started = False
         self._final_state: dict[str, torch.Tensor] | None = None
+        self._pending_metrics: dict[str, Any] = {}
+        #: True inside the training loop: trainer.log() then waits for the next logging step.
         self._fitting = False
-        self._pending_metrics: dict[str, float] = {}
+        self._consecutive_skips = 0
+        self.loss_fn: LossFn | None = None
+        self.training_step: TrainingStep | None = None
         #: Metrics of the most recent validation loop, or ``None``.
         self.last_validation: dict[str, float] | None = None
         self.pm.hook.unison_on_trainer_init(trainer=self)
@@ -254,18 +440,9 @@ class Trainer:
         return self.strategy.module
 
     # -- environment ------------------------------------------------------- #
-    def _device(self, local_rank: int) -> torch.device:
-        kind = self.settings.accelerator
-        if kind == "auto":
-            kind = "cuda" if torch.cuda.is_available() else "cpu"
-        if kind == "cuda":
-            torch.cuda.set_device(local_rank)
-            return torch.device("cuda", local_rank)
-        return torch.device("cpu")
-
     def _setup_environment(self) -> DistEnv:
-        rank, world_size, local_rank = _world_from_env()
-        device = self._device(local_rank)
+        rank, world_size, local_rank = world_from_env()
+        device = device_for(self.settings.accelerator, local_rank)
         backend = self.strategy.process_group_backend(device)
         dist = torch.distributed
         if dist.is_initialized():
@@ -279,195 +456,321 @@ class Trainer:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             self._owns_process_group = True
             rank, world_size = dist.get_rank(), dist.get_world_size()
+        if dist.is_initialized() and world_size > 1:
+            # Stop decisions travel on a CPU group: agreeing on them never
+            # waits for the accelerator.
+            self._control_group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
     def _build_precision(self, device: torch.device) -> Precision:
-        if self._precision_support.owner in (PrecisionOwner.TRAINER, PrecisionOwner.PLUGIN):
+        support = self.ownership.precision_support(self.settings.precision)
+        precision: Precision
+        if support.applied_by_trainer:
             spec = self.pm.precisions.get(self.settings.precision)  # availability checked in build_strategy
-            return spec.factory(device=device, grad_scaler=lambda: self.strategy.make_grad_scaler(device))
-        return DelegatedPrecision(self.settings.precision)
+            precision = spec.factory(device=device, grad_scaler=lambda: self.strategy.make_grad_scaler(device))
+        else:
+            precision = DelegatedPrecision(self.settings.precision)
+        precision.support = support
+        return precision
 
     # -- fit ----------------------------------------------------------------- #
     def fit(
         self,
-        model: torch.nn.Module,
-        train_dataset: Dataset,
+        model: torch.nn.Module | Callable[[], torch.nn.Module],
+        train_dataset: Any,
         *,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
+        training_step: TrainingStep | None = None,
         optimizer: OptimizerArg,
         lr_scheduler: SchedulerArg | None = None,
-        val_dataset: Dataset | None = None,
+        val_dataset: Any = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
         ckpt_path: str | os.PathLike[str] | None = None,
+        count_tokens: Callable[[Any], int | None] | None = None,
     ) -> Progress:
-        """Train ``model`` for ``max_steps`` optimizer steps.
+        """Train for ``max_steps`` optimizer steps or ``max_epochs`` passes.
 
         Args:
-            model: a plain ``nn.Module``; ``loss_fn(model(inputs), targets)``
-                must return the mean loss of a micro-batch.
-            train_dataset: map-style; items are ``(input, target)``.
-            optimizer: ``params -> Optimizer`` (called by the strategy with the
-                parameters it trains, or parameter groups).
-            lr_scheduler: ``optimizer -> scheduler``; stepped once per
+            model: an ``nn.Module``, or a zero-argument factory returning one
+                (the trainer seeds with ``seed`` first, so reruns and ranks
+                build identical weights). Either way every replica starts from
+                global rank 0's weights (see ``Ownership.replica_init``).
+            train_dataset: a map-style dataset, an ``IterableDataset``, a
+                Hugging Face dataset (map-style or streaming) or a
+                ``DataLoader`` (its dataset, collate_fn and worker settings are
+                used; the trainer does the sampling). See :mod:`unison.data`.
+            loss_fn: the ``(inputs, targets)`` form: each batch is a pair and
+                ``loss_fn(model(inputs), targets)`` returns the micro-batch's
+                mean loss (a scalar tensor).
+            training_step: the form for batches of any structure:
+                ``training_step(model, batch)`` returns the micro-batch's mean
+                loss, e.g. ``lambda model, batch: model(**batch).loss``.
+                ``model`` is the strategy's forward callable (a DDP/FSDP/engine
+                wrapper; ``trainer.model`` is the unwrapped module). Exactly one
+                of ``loss_fn`` and ``training_step``; validation uses the same.
+            optimizer: ``params -> Optimizer`` (called with the parameters the
+                strategy trains, or parameter groups).
+            lr_scheduler: ``optimizer -> LRScheduler``; stepped once per
                 optimizer step that was not skipped.
+            val_dataset: validated every ``val_every_n_steps`` and at the end.
+            collate_fn: list of samples -> batch (default ``default_collate``),
+                e.g. a Hugging Face data collator; also used for validation.
             ckpt_path: ``"last"`` or a checkpoint directory to resume from.
+            count_tokens: batch -> tokens, replacing the rule of
+                :func:`unison.batch.count_tokens` for throughput metrics.
         """
         s = self.settings
-        _, world_size, _ = _world_from_env()
-        _check_loss_fn(loss_fn)
+        rank, world_size, _ = world_from_env()
+        # -- everything below until the process group is checked up front ---- #
+        if (loss_fn is None) == (training_step is None):
+            raise ConfigurationError(
+                "loss_fn/training_step", "pass exactly one of loss_fn and training_step",
+                "loss_fn=... for (inputs, targets) batches, or training_step=lambda model, batch: ... for any batch",
+            )
+        if training_step is not None:
+            _check_callable(training_step, "training_step", "training_step(model, batch)",
+                            "lambda model, batch: model(**batch).loss", 2)
+            _refuse(self.strategy, Feature.TRAINING_STEP, "training_step",
+                    "use loss_fn=... with (inputs, targets) batches")
+        else:
+            _check_loss_fn(loss_fn)
+            _refuse(self.strategy, Feature.LOSS_FN, "loss_fn", "use training_step=lambda model, batch: ...")
+        if ckpt_path is not None:
+            if str(ckpt_path) == "last" and self.checkpointer is None:
+                raise ConfigurationError("ckpt_path", "'last' needs a checkpoint_dir", "set checkpoint_dir or pass a path")
+            _refuse(self.strategy, Feature.RESUME, "ckpt_path", "start without ckpt_path")
+        model = _build_model(model, s.seed)
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ConfigurationError("model", f"{type(model).__name__} has no trainable parameters",
+                                     "pass a model with parameters that require grad")
+        # Model features (tied weights, buffers, ...) are refused by the
+        # strategy's own check, which may be narrower than the feature (a
+        # pipeline refuses weights tied *across stages*); the declaration says so.
         self.strategy.validate_model(model, s)
-        # Fails on a too-small dataset before any process group starts.
-        self._batch_plan(len(train_dataset), rank=0, world_size=world_size)
-        if ckpt_path is not None and str(ckpt_path) == "last" and self.checkpointer is None:
-            raise ConfigurationError("ckpt_path", "'last' needs a checkpoint_dir", "set checkpoint_dir or pass a path")
+        _probe_optimizer(optimizer, lr_scheduler, model)
+        dp_size = self.strategy.data_parallel_size(world_size)
+        data = TrainData(train_dataset, collate_fn, s, data_parallel_size=dp_size,
+                         data_parallel_rank=self.strategy.data_parallel_rank(rank, world_size),
+                         token_counter=count_tokens)
+        self._check_first_batch(data.first_micro_batch(), loss_fn is not None)
+        val = self._resolve_validation(val_dataset, collate_fn) if val_dataset is not None else None
 
-        self.env = self._setup_environment()
+        self.loss_fn, self.training_step, self.data = loss_fn, training_step, data
         self._final_state = None
+        self.should_stop = False
+        # From here on nothing is refused as bad input: failures are errors.
+        self.setup_started = True
         try:
-            self._fit(model, train_dataset, loss_fn, optimizer, lr_scheduler, val_dataset, ckpt_path)
+            self.env = self._setup_environment()
+            self._fit(model, optimizer, lr_scheduler, val, ckpt_path)
         except BaseException as exc:
             self.pm.hook.unison_on_exception(trainer=self, exception=exc)
             raise
         finally:
+            data.close()
             self.strategy.teardown()
             if self._owns_process_group:
                 torch.distributed.destroy_process_group()
                 self._owns_process_group = False
+            self._control_group = None
         return self.progress
 
-    def _batch_plan(self, dataset_size: int, *, rank: int, world_size: int) -> BatchPlan:
-        s = self.settings
-        return BatchPlan(
-            dataset_size=dataset_size,
-            global_batch_size=s.global_batch_size,
-            accumulate_grad_batches=s.accumulate_grad_batches,
-            data_parallel_size=self.strategy.data_parallel_size(world_size),
-            data_parallel_rank=self.strategy.data_parallel_rank(rank, world_size),
-            seed=s.seed,
-            shuffle=s.shuffle,
-        )
+    def _check_first_batch(self, batch: Any, loss_fn_form: bool) -> None:
+        from unison.batch import batch_size
 
-    def _fit(self, model, train_dataset, loss_fn, optimizer, lr_scheduler, val_dataset, ckpt_path) -> None:
-        s, env, hook = self.settings, self.env, self.pm.hook
-        assert env is not None
+        batch_size(batch, where="batch")  # leaves must agree on the batch dimension
+        if loss_fn_form and not (isinstance(batch, (list, tuple)) and len(batch) == 2):
+            shape = (f"a {type(batch).__name__} with keys {list(batch)[:6]}" if isinstance(batch, Mapping)
+                     else f"a {type(batch).__name__}" + (f" of {len(batch)} items" if isinstance(batch, (list, tuple)) else ""))
+            raise ConfigurationError(
+                "loss_fn",
+                f"the loss_fn form needs each batch to be (inputs, targets), but the collated batch is {shape}",
+                "pass training_step=lambda model, batch: ... (e.g. model(**batch).loss) for batches of any "
+                "structure, or make the dataset return (input, target) pairs",
+            )
+
+    def _resolve_validation(self, val_dataset: Any, collate_fn: Any) -> tuple[Any, Any, Any]:
+        source, collate, options = resolve_source(val_dataset, collate_fn, self.settings, what="val_dataset")
+        empty = len(source) == 0 if is_map_style(source) else next(iter(source), None) is None
+        if empty:
+            raise ConfigurationError("val_dataset", "the validation dataset is empty",
+                                     "pass a non-empty val_dataset, or none")
+        return source, collate, options
+
+    def _fit(self, model: torch.nn.Module, optimizer: OptimizerArg, lr_scheduler: SchedulerArg | None,
+             val: tuple[Any, Any, Any] | None, ckpt_path: Any) -> None:
+        s, env, hook, strategy = self.settings, self.env, self.pm.hook, self.strategy
+        assert env is not None and self.data is not None
         seed_everything(s.seed)
-        self.plan = self._batch_plan(len(train_dataset), rank=env.rank, world_size=env.world_size)
+        if self.ownership.replica_init is ReplicaInit.TRAINER and env.distributed and env.world_size > 1:
+            # Whatever the user passed, replicas never start apart.
+            model = model.to(env.device)
+            _broadcast_module_state(model)
         self.precision = precision = self._build_precision(env.device)
         module = precision.convert_module(model)
-        self.strategy.env = env
-        self.strategy.setup(module, optimizer, precision=precision, env=env, settings=s)
-        self.lr_scheduler = lr_scheduler(self.strategy.optimizer) if lr_scheduler else None
-        self.loss_fn = loss_fn
+        strategy.env = env
+        strategy.setup(module, lambda params: _checked_optimizer(optimizer, params), precision=precision, settings=s)
+        self.lr_scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler else None
+        self.data.to_device = strategy.to_device
         self.progress = Progress()
-        self.should_stop = False
+        self._consecutive_skips = 0
+        self._val = val
 
         hook.unison_on_fit_start(trainer=self)
         if ckpt_path is not None:
             self._load_checkpoint(ckpt_path)
 
-        epoch = None
         self._fitting = True
-        for step in range(self.progress.global_step, s.max_steps):
-            step_epoch = step // self.plan.steps_per_epoch
-            if step_epoch != epoch:
-                epoch = step_epoch
-                hook.unison_on_train_epoch_start(trainer=self, epoch=epoch)
-            output = self._train_step(step, train_dataset)
-            self.progress.global_step = step + 1
-            self.progress.history.append(
-                {"step": step, "loss": output.loss, "grad_norm": output.grad_norm, "lr": output.lrs[0], "skipped": output.skipped}
-            )
-            hook.unison_on_train_step_end(trainer=self, step=step, output=output)
-            done = step + 1
-            if done % s.log_every_n_steps == 0:
-                metrics = {"train/loss": output.loss, "train/grad_norm": output.grad_norm,
-                           "train/lr": output.lrs[0], "train/skipped": float(output.skipped)}
-                if len(output.lrs) > 1:
-                    metrics.update({f"train/lr-group{i}": lr for i, lr in enumerate(output.lrs)})
-                self._log({**metrics, **self._pending_metrics})
-                self._pending_metrics = {}
-            if done % self.plan.steps_per_epoch == 0:
-                hook.unison_on_train_epoch_end(trainer=self, epoch=epoch)
-            if val_dataset is not None and s.val_every_n_steps and done % s.val_every_n_steps == 0 and done != s.max_steps:
-                self.validate(val_dataset)
-            if self.checkpointer and s.checkpoint_every_n_steps and done % s.checkpoint_every_n_steps == 0 and done != s.max_steps:
-                self.save_checkpoint()
-            if self.should_stop:
-                break
-        self._fitting = False
-        if self._pending_metrics:
-            self._log(self._pending_metrics)
-            self._pending_metrics = {}
-        if val_dataset is not None:
-            self.validate(val_dataset)
-        if self.checkpointer is not None:
+        try:
+            self._loop(val)
+        finally:
+            self._fitting = False
+        # The end: validation and checkpoint once, unless the last step just had them.
+        if val is not None and self._last_validated != self.progress.global_step:
+            self.validate()
+        if self.checkpointer is not None and self._last_saved != self.progress.global_step:
             self.save_checkpoint()
+        if self._pending_metrics:
+            self._emit(self._pending_metrics)
+            self._pending_metrics = {}
         # Kept so that full_state_dict() works after fit tore the strategy down.
         self._final_state = self.strategy.full_state_dict()
         hook.unison_on_fit_end(trainer=self)
 
+    def _loop(self, val: Any) -> None:
+        s, hook = self.settings, self.pm.hook
+        assert self.data is not None
+        epoch = None
+        self._last_validated = self._last_saved = None
+        for batch in self.data.steps(self.progress.global_step):
+            step = batch.step
+            if batch.epoch != epoch:
+                epoch = batch.epoch
+                hook.unison_on_train_epoch_start(trainer=self, epoch=epoch)
+            output = self._train_step(batch)
+            self.progress.global_step = done = step + 1
+            self.progress.history.append(output)
+            hook.unison_on_train_step_end(trainer=self, step=step, output=output)
+            if done % s.log_every_n_steps == 0:
+                self._log_step(output)
+            if batch.last_in_epoch:
+                hook.unison_on_train_epoch_end(trainer=self, epoch=epoch)
+            if val is not None and s.val_every_n_steps and done % s.val_every_n_steps == 0:
+                self.validate()
+                self._last_validated = done
+            if self.checkpointer and s.checkpoint_every_n_steps and done % s.checkpoint_every_n_steps == 0:
+                self.save_checkpoint()
+                self._last_saved = done
+            if self._agree_to_stop():
+                break
+
+    def _agree_to_stop(self) -> bool:
+        """Combine every rank's ``should_stop`` at the step boundary: any rank stopping stops all."""
+        env = self.env
+        if env is None or not env.distributed or env.world_size == 1:
+            return self.should_stop
+        flag = torch.tensor([1.0 if self.should_stop else 0.0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._control_group)
+        self.should_stop = bool(flag.item())
+        return self.should_stop
+
     # -- one optimizer step -------------------------------------------------- #
-    def _train_step(self, step: int, dataset: Dataset) -> StepOutput:
+    def _train_step(self, batch: Any) -> StepOutput:
         s, hook, strategy, precision = self.settings, self.pm.hook, self.strategy, self.precision
         assert precision is not None
+        step = batch.step
         hook.unison_on_train_step_start(trainer=self, step=step)
-        micro_batches = [collate(dataset, idx) for idx in self.plan.local_micro_indices(step)]
-        counts = [count_tokens(b) for b in micro_batches]
-        tokens = None
-        if all(c is not None for c in counts):
-            tokens = int(strategy.reduce_sum(torch.tensor([float(sum(counts))], dtype=torch.float64))[0])
-        losses = self._forward_backward(micro_batches)
+        losses = self._forward_backward(batch.micro_batches)
         hook.unison_on_after_backward(trainer=self, step=step)
 
+        # Every micro-batch's loss and the step's tokens, summed over replicas in one collective.
+        local = torch.stack([loss.detach().float().reshape(()) for loss in losses])
+        tokens = None
+        if batch.tokens is not None:
+            local = torch.cat([local, torch.tensor([float(batch.tokens)], device=local.device)])
+        reduced = strategy.reduce_sum(local)
+        replicas = strategy.data_parallel_size(self.env.world_size)  # type: ignore[union-attr]
+        micro = reduced[: len(losses)] / replicas
+        if batch.tokens is not None:
+            tokens = reduced[len(losses)]
+
         precision.unscale_gradients(strategy.optimizer)
-        grad_norm = float(strategy.clip_grad_norm(s.grad_clip_norm))
+        grad_norm = strategy.clip_grad_norm(s.grad_clip_norm).detach()
+        lrs = [float(g["lr"]) for g in strategy.optimizer.param_groups]  # type: ignore[union-attr]
+        finite = True
+        if precision.skips_overflow or self.nonfinite != "continue":
+            # One device-to-host read: the global norm and the replica-averaged
+            # losses are the same on every rank, so every rank decides alike.
+            finite = bool(torch.isfinite(grad_norm) & torch.isfinite(micro).all())
+            if not finite and not precision.skips_overflow and self.nonfinite == "raise":
+                self._raise_nonfinite(step, local[: len(losses)], micro, grad_norm)
         hook.unison_on_before_optimizer_step(trainer=self, step=step, grad_norm=grad_norm)
-        skipped = precision.step(strategy.optimizer_step, strategy.optimizer, grad_norm)
+        if finite or precision.skips_overflow:
+            skipped = precision.step(strategy.optimizer_step, strategy.optimizer, finite)
+        else:  # nonfinite == "skip"
+            skipped = True
         if not skipped:
             self.progress.optimizer_steps += 1
+            self._consecutive_skips = 0
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
                 self.progress.scheduler_steps += 1
+        else:
+            self.progress.skipped_steps += 1
+            self._consecutive_skips += 1
         strategy.zero_grad()
         hook.unison_on_after_optimizer_step(trainer=self, step=step, skipped=skipped)
+        if self._consecutive_skips >= self.max_consecutive_skips:
+            raise NonFiniteError(
+                f"step {step}: {self._consecutive_skips} optimizer steps in a row were skipped (non-finite "
+                "gradients: fp16 overflow or NaN/inf losses); training is not progressing. Fix: check the data and "
+                "the loss for NaN/inf, lower the learning rate, or use bf16-mixed; max_consecutive_skips sets the limit"
+            )
+        return StepOutput(step, micro, grad_norm, lrs, skipped, s.global_batch_size, tokens)
 
-        # Every micro-batch's loss, averaged over data-parallel replicas: the
-        # same numbers on every rank and every backend.
-        micro = strategy.reduce_mean(torch.stack([l.detach().float().reshape(()) for l in losses]))
-        micro_losses = micro.tolist()
-        return StepOutput(
-            step=step,
-            loss=sum(micro_losses) / len(micro_losses),
-            micro_losses=micro_losses,
-            grad_norm=grad_norm,
-            lrs=[g["lr"] for g in strategy.optimizer.param_groups],
-            skipped=skipped,
-            samples=s.global_batch_size,
-            tokens=tokens,
+    def _raise_nonfinite(self, step: int, local: torch.Tensor, micro: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Raise on every rank, naming the first micro-batch and rank whose loss was non-finite."""
+        assert self.env is not None
+        flags = [bool(torch.isfinite(v)) for v in local.cpu()]
+        per_rank: list[Any] = [flags]
+        if self.env.distributed and self.env.world_size > 1:
+            per_rank = [None] * self.env.world_size
+            torch.distributed.all_gather_object(per_rank, flags, group=self._control_group)
+        where = next(
+            (f"micro-batch {m} on rank {r}" for m in range(len(flags)) for r, f in enumerate(per_rank) if not f[m]),
+            None,
+        )
+        what = (f"the loss was non-finite first at {where}" if where is not None
+                else f"the losses were finite but the global grad norm is {float(grad_norm)}")
+        raise NonFiniteError(
+            f"step {step}: {what}; no optimizer step or checkpoint was taken from it. Fix: check the data and the loss "
+            "for NaN/inf (or pass nonfinite='skip' to skip such steps, or 'continue' to train on)"
         )
 
-    def _forward_backward(self, micro_batches: Sequence[tuple[Any, Any]]) -> list[torch.Tensor]:
-        owner = self.ownership.grad_accumulation.owner
+    def _forward_backward(self, micro_batches: Sequence[Any]) -> list[torch.Tensor]:
+        accumulation = self.ownership.grad_accumulation
         strategy, precision = self.strategy, self.precision
         assert precision is not None
-        if owner is AccumulationOwner.SCHEDULE:
-            return strategy.forward_backward(micro_batches, self.loss_fn, precision)
+        if accumulation.owner is AccumulationOwner.SCHEDULE:
+            pairs = [tuple(b) for b in micro_batches]
+            return strategy.forward_backward(pairs, self.loss_fn, precision)  # type: ignore[attr-defined]
         n = len(micro_batches)
+        defer = accumulation.owner is AccumulationOwner.TRAINER and accumulation.sync is GradSync.BOUNDARY
         losses = []
-        for i, (inputs, targets) in enumerate(micro_batches):
+        for i, batch in enumerate(micro_batches):
             last = i == n - 1
-            # Trainer-owned: skip gradient sync until the boundary micro-step.
-            sync = contextlib.nullcontext() if last or owner is not AccumulationOwner.TRAINER else strategy.no_sync()
+            # Trainer-owned, boundary sync: skip gradient sync until the last micro-step.
+            sync = strategy.no_sync() if defer and not last else contextlib.nullcontext()  # type: ignore[attr-defined]
             with sync:
                 with precision.forward_context():
-                    outputs = strategy.forward(precision.convert_input(inputs))
-                    loss = self.loss_fn(outputs, targets)
-                if owner is AccumulationOwner.TRAINER:
+                    loss = self._loss(batch)
+                if accumulation.owner is AccumulationOwner.TRAINER:
                     # The one place the loss is divided for accumulation.
                     strategy.backward(precision.scale_loss(loss / n))
                 else:
                     # Engine-owned: the engine scales by its own count.
                     strategy.backward(precision.scale_loss(loss))
-                    if strategy.is_accumulation_boundary() != last:
+                    if strategy.is_accumulation_boundary() != last:  # type: ignore[attr-defined]
                         raise RuntimeError(
                             f"strategy {strategy.name!r} owns accumulation but its boundary disagrees with the "
                             f"trainer's at micro-step {i + 1}/{n}: check its accumulation settings"
@@ -475,47 +778,94 @@ class Trainer:
             losses.append(loss)
         return losses
 
+    def _loss(self, batch: Any) -> torch.Tensor:
+        """One micro-batch's mean loss in the fit's form, checked to be a scalar tensor."""
+        precision = self.precision
+        assert precision is not None
+        if self.training_step is not None:
+            loss = self.training_step(self.strategy.model, precision.convert_input(batch))
+            name = "training_step"
+        else:
+            inputs, targets = batch
+            loss = self.loss_fn(self.strategy.forward(precision.convert_input(inputs)), targets)  # type: ignore[misc]
+            name = "loss_fn"
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ConfigurationError(
+                name, f"{name} returned {got}; the trainer needs the micro-batch's mean loss as a scalar tensor",
+                "return a 0-dim tensor that requires grad (e.g. reduce with .mean(); do not call .item())",
+            )
+        return loss
+
     # -- validation ------------------------------------------------------------ #
     @torch.no_grad()
-    def validate(self, dataset: Dataset) -> dict[str, float]:
-        """Mean loss over ``dataset``, every sample once, reduced over replicas."""
-        assert self.env is not None and self.precision is not None
+    def validate(self, dataset: Any = None) -> dict[str, float]:
+        """Mean loss over the validation set (every sample once, reduced over replicas).
+
+        Uses the fit's ``val_dataset`` unless ``dataset`` is given; called on every rank.
+        """
+        assert self.env is not None and self.precision is not None and self.data is not None
+        source, collate, options = self._resolve_validation(dataset, None) if dataset is not None else self._val
         step = self.progress.global_step
         self.pm.hook.unison_on_validation_start(trainer=self, step=step)
         model = self.strategy.module
         was_training = model.training
         model.eval()
-        total = torch.zeros(2, dtype=torch.float64)
-        batches = validation_batches(
-            len(dataset), self.settings.val_batch_size, self.plan.data_parallel_size, self.plan.data_parallel_rank
-        )
-        for i, (indices, weight) in enumerate(batches):
-            inputs, targets = collate(dataset, indices)
+        total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
+        per_forward = self.settings.val_batch_size * self.data.replicas
+        num_batches = -(-len(source) // per_forward) if is_map_style(source) else None  # for progress displays
+        for i, (batch, weight) in enumerate(validation_stream(source, collate, self.settings.val_batch_size,
+                                                              self.data.replicas, self.data.rank, options,
+                                                              self.settings.seed)):
+            batch = self.strategy.to_device(batch)
             with self.precision.forward_context():
-                loss = self.strategy.eval_loss(self.precision.convert_input(inputs), targets, self.loss_fn)
-            total += torch.tensor([float(loss) * weight, weight], dtype=torch.float64)
-            self.pm.hook.unison_validation_progress(trainer=self, step=step, batch_idx=i, num_batches=len(batches))
+                if self.training_step is not None:
+                    loss = self.training_step(self.strategy.model, self.precision.convert_input(batch))
+                else:
+                    inputs, targets = batch
+                    loss = self.strategy.eval_loss(self.precision.convert_input(inputs), targets, self.loss_fn)
+            total += torch.stack([loss.detach().double() * weight, torch.tensor(float(weight), dtype=torch.float64,
+                                                                                 device=total.device)])
+            self.pm.hook.unison_validation_progress(trainer=self, step=step, batch_idx=i, num_batches=num_batches)
         model.train(was_training)
         total = self.strategy.reduce_sum(total)
         metrics = {"val/loss": float(total[0] / total[1])}
         self.last_validation = metrics
         self.pm.hook.unison_on_validation_end(trainer=self, step=step, metrics=metrics)
-        self._log(metrics)
+        self._emit(metrics)
         return metrics
 
-    def log(self, metrics: dict[str, float]) -> None:
+    # -- logging ------------------------------------------------------------------ #
+    def log(self, metrics: Mapping[str, Any]) -> None:
         """Send user metrics to every logger (``unison_log_metrics``) at the current step.
 
-        Inside the training loop they are kept (latest value per name) and sent
-        with the next logging step's metrics; outside it they go at once.
+        Usable from callbacks and from ``training_step``. Values may be numbers
+        or 0-dim tensors; during a training step they are kept (the latest
+        value per name) and sent with the step's own metrics at the next
+        logging step, so logging from ``training_step`` costs no device sync
+        on steps that are not logged. Values are sent as given on each rank
+        (reduce them yourself if they differ per rank); file loggers write
+        rank 0's.
         """
         if self._fitting:
-            self._pending_metrics.update({k: float(v) for k, v in metrics.items()})
+            self._pending_metrics.update(metrics)
         else:
-            self._log({k: float(v) for k, v in metrics.items()})
+            self._emit(dict(metrics))
 
-    def _log(self, metrics: dict[str, float]) -> None:
-        self.pm.hook.unison_log_metrics(trainer=self, metrics=metrics, step=self.progress.global_step)
+    def _log_step(self, output: StepOutput) -> None:
+        metrics: dict[str, Any] = {
+            "train/loss": output.loss, "train/grad_norm": output.grad_norm, "train/lr": output.lrs[0],
+            "train/skipped": float(output.skipped), "train/skipped_steps": float(self.progress.skipped_steps),
+        }
+        if len(output.lrs) > 1:
+            metrics.update({f"train/lr-group{i}": lr for i, lr in enumerate(output.lrs)})
+        metrics.update(self._pending_metrics)
+        self._pending_metrics = {}
+        self._emit(metrics)
+
+    def _emit(self, metrics: dict[str, Any]) -> None:
+        plain = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+        self.pm.hook.unison_log_metrics(trainer=self, metrics=plain, step=self.progress.global_step)
 
     # -- state ----------------------------------------------------------------- #
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -541,9 +891,10 @@ class Trainer:
             (directory / "rng").mkdir(exist_ok=True)
             torch.save(rng_state(), directory / "rng" / f"rank-{env.rank:05d}.pt")
             trainer_state: dict[str, Any] = {
-                "progress": {k: v for k, v in vars(self.progress).items()},
+                "progress": self.progress.state_dict(),
                 "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                 "precision": self.precision.state_dict() if self.precision is not None else {},
+                "data": self.data.state_dict(self.progress.global_step) if self.data is not None else None,
             }
             self.pm.hook.unison_on_save_checkpoint(trainer=self, checkpoint=trainer_state)
             if env.rank == 0:
@@ -571,11 +922,13 @@ class Trainer:
             )
         self.strategy.load_state(path / "state")
         trainer_state = torch.load(path / "trainer.pt", weights_only=False)
-        self.progress = Progress(**trainer_state["progress"])
+        self.progress = Progress.from_state(trainer_state["progress"])
         if self.lr_scheduler is not None and trainer_state["scheduler"] is not None:
             self.lr_scheduler.load_state_dict(trainer_state["scheduler"])
         if self.precision is not None:
             self.precision.load_state_dict(trainer_state["precision"])
+        if self.data is not None:
+            self.data.check_resume(trainer_state.get("data"))
         rng_file = path / "rng" / f"rank-{self.env.rank:05d}.pt"
         if rng_file.exists() and meta["world_size"] == self.env.world_size:
             set_rng_state(torch.load(rng_file, weights_only=False))

@@ -124,12 +124,12 @@ class ApexAmpPrecision(Precision):
         with self._amp.scale_loss(zero, self._optimizer) as scaled:
             scaled.backward()
 
-    def step(self, optimizer_step: Callable[[], bool], optimizer: torch.optim.Optimizer, grad_norm: float) -> bool:
+    def step(self, optimizer_step: Callable[[], bool], optimizer: torch.optim.Optimizer, finite: bool) -> bool:
         self._require()
         # On overflow apex patched optimizer.step to skip once: call it anyway
         # so the patch is consumed, and report the skip.
         engine_skipped = bool(optimizer_step())
-        return engine_skipped or not math.isfinite(grad_norm)
+        return engine_skipped or not finite
 
     def state_dict(self) -> dict[str, Any]:
         return {"amp": self._amp.state_dict()}

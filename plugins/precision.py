@@ -6,7 +6,6 @@ engines and sharding policies apply their own (see each strategy's declaration).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -38,12 +37,16 @@ class AutocastPrecision(Precision):
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer_step: Callable[[], bool], optimizer: torch.optim.Optimizer, grad_norm: float) -> bool:
+    @property
+    def skips_overflow(self) -> bool:  # type: ignore[override]  # a property over the base's class attribute
+        return self.scaler is not None
+
+    def step(self, optimizer_step: Callable[[], bool], optimizer: torch.optim.Optimizer, finite: bool) -> bool:
         if self.scaler is None:
             return bool(optimizer_step())
         # unscale_ recorded the overflow flag that update() reads; the global
         # norm is non-finite exactly when some shard overflowed.
-        skipped = not math.isfinite(grad_norm)
+        skipped = not finite
         if not skipped:
             skipped = bool(optimizer_step())
         self.scaler.update()

@@ -116,7 +116,8 @@ class ProgressBar:
         self._window.clear()
         self._started = time.monotonic()
         self._first_step = trainer.global_step
-        self._total = trainer.settings.max_steps
+        # The step fit ends at (max_steps, or max_epochs over a sized dataset); None: the data stream decides.
+        self._total = trainer.data.total_steps() if trainer.data is not None else trainer.settings.max_steps
         if not self._live():
             return
         self._bar = Progress(

@@ -61,7 +61,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from unison.errors import ConfigurationError
 from unison.ownership import AccumulationOwner, GradAccumulation, Ownership, StateDictDeclaration, StateDictKind
-from unison.strategy import DistEnv, OptimizerFactory
+from unison.strategy import OptimizerFactory
 
 from unison.strategies._torch import TRAINER_PRECISION, ReplicatedStrategy
 
@@ -247,7 +247,9 @@ class TorchZeroStrategy(ReplicatedStrategy):
             ),
         )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+        env = self.env
+        assert env is not None
         module = module.to(env.device)
         self.module = module
         self.model = DistributedDataParallel(module, device_ids=[env.device.index] if env.device.type == "cuda" else None)

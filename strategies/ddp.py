@@ -8,10 +8,10 @@ import pydantic
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from unison.ownership import AccumulationOwner, GradAccumulation, Ownership
+from unison.ownership import AccumulationOwner, GradAccumulation, Ownership, ReplicaInit
 from unison.plugin import hookimpl
 from unison.registry import StrategySpec
-from unison.strategy import DistEnv, OptimizerFactory
+from unison.strategy import OptimizerFactory
 
 from unison.strategies._torch import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
 
@@ -45,9 +45,14 @@ class DDPStrategy(ReplicatedStrategy):
             ),
             precision=TRAINER_PRECISION,
             state_dict=DCP_FULL_STATE,
+            # DistributedDataParallel's constructor broadcasts rank 0's
+            # parameters and buffers; the trainer need not do it again.
+            replica_init=ReplicaInit.STRATEGY,
         )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+        env = self.env
+        assert env is not None
         module = module.to(env.device)
         self.module = module
         self.model = DistributedDataParallel(

@@ -79,10 +79,10 @@ from unison.plugin import hookimpl
 from unison.precision import cast_floating
 from unison.registry import StrategySpec, missing_modules
 from unison.state import dcp_load, dcp_save
-from unison.strategy import DistEnv, OptimizerFactory, Strategy
+from unison.env import resolve_accelerator
+from unison.settings import TrainerSettings
+from unison.strategy import OptimizerFactory, Strategy
 
-if TYPE_CHECKING:  # pragma: no cover
-    from unison.trainer import TrainerSettings
 
 #: The tag every checkpoint is written under: unison's own checkpointer names
 #: and commits the step directory, so DeepSpeed's ``latest`` pointer is unused.
@@ -140,12 +140,6 @@ def _deepspeed(device: torch.device | None = None) -> Any:
             f"set DS_ACCELERATOR={device.type} before deepspeed is first imported"
         )
     return deepspeed
-
-
-def _resolve_device_type(settings: "TrainerSettings") -> str:
-    if settings.accelerator == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return settings.accelerator
 
 
 def _flatten(config: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -308,7 +302,7 @@ class DeepSpeedStrategy(Strategy):
         )
 
     # -- validation (no process group) ---------------------------------------- #
-    def generated_config(self, settings: "TrainerSettings", world_size: int) -> dict[str, Any]:
+    def generated_config(self, settings: TrainerSettings, world_size: int) -> dict[str, Any]:
         """The DeepSpeed config unison derives from its own settings (before the user's merge)."""
         s = settings
         stage = self.stage
@@ -319,7 +313,7 @@ class DeepSpeedStrategy(Strategy):
             zero["offload_param"] = {"device": self.options.offload_param}
         return {
             "train_batch_size": s.global_batch_size,
-            "train_micro_batch_size_per_gpu": s.global_batch_size // s.accumulate_grad_batches // world_size,
+            "train_micro_batch_size_per_gpu": s.micro_batch_size(world_size),
             "gradient_accumulation_steps": s.accumulate_grad_batches,
             # 0.0 is DeepSpeed's "no clipping"; the norm is still measured.
             "gradient_clipping": float(s.grad_clip_norm or 0.0),
@@ -343,7 +337,7 @@ class DeepSpeedStrategy(Strategy):
         "zero_allow_untested_optimizer": True,
     }
 
-    def _unison_source(self, path: tuple[str, ...], settings: "TrainerSettings", world_size: int) -> str:
+    def _unison_source(self, path: tuple[str, ...], settings: TrainerSettings, world_size: int) -> str:
         """Which unison setting produced a generated key, as the user would write it."""
         s = settings
         return {
@@ -361,7 +355,7 @@ class DeepSpeedStrategy(Strategy):
                 f"strategy_options.offload_param={self.options.offload_param!r}",
         }.get(path, "unison's settings")
 
-    def build_config(self, settings: "TrainerSettings", world_size: int) -> dict[str, Any]:
+    def build_config(self, settings: TrainerSettings, world_size: int) -> dict[str, Any]:
         """The final DeepSpeed config; raises on a user key that contradicts a unison setting."""
         generated = self.generated_config(settings, world_size)
         user = self.options.config
@@ -393,9 +387,9 @@ class DeepSpeedStrategy(Strategy):
                 )
         return _merge(_merge(self.DEFAULTS, generated), user)
 
-    def validate(self, settings: "TrainerSettings", world_size: int) -> None:
+    def validate(self, settings: TrainerSettings, world_size: int) -> None:
         s = settings
-        if s.precision == "16-mixed" and _resolve_device_type(s) == "cpu":
+        if s.precision == "16-mixed" and resolve_accelerator(s.accelerator) == "cpu":
             # Decided without importing deepspeed (seconds, and it fixes the
             # accelerator for the process); the reason is DeepSpeed's own.
             raise ConfigurationError(
@@ -405,12 +399,14 @@ class DeepSpeedStrategy(Strategy):
         self.build_config(s, max(world_size, 1))
 
     # -- setup ------------------------------------------------------------- #
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv,
-              settings: "TrainerSettings") -> None:
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any,
+              settings: TrainerSettings) -> None:
+        env = self.env
+        assert env is not None
         deepspeed = _deepspeed(env.device)
         self.ds_config = self.build_config(settings, env.world_size)
-        self._dtype = torch.bfloat16 if settings.precision == "bf16-mixed" else (
-            torch.float16 if settings.precision == "16-mixed" else torch.float32)
+        self._dtype = torch.bfloat16 if precision.name == "bf16-mixed" else (
+            torch.float16 if precision.name == "16-mixed" else torch.float32)
         module = module.to(env.device)
         # The fp32 weights as the user built them: DeepSpeed casts the module to
         # bf16/fp16 before it creates the fp32 master copy, which would start

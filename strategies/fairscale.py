@@ -57,7 +57,8 @@ from unison.ownership import (
 from unison.plugin import hookimpl
 from unison.registry import StrategySpec, missing_modules
 from unison.state import canonical
-from unison.strategy import DistEnv, OptimizerFactory, Strategy
+from unison.env import resolve_accelerator
+from unison.strategy import OptimizerFactory, Strategy
 
 from unison.strategies._torch import TRAINER_PRECISION
 from unison.strategies._sharded_optimizer import CONSOLIDATED_DCP_STATE, OptimizerRecipe, TorchZeroStrategy
@@ -186,7 +187,9 @@ class FairscaleSDPStrategy(FairscaleOSSStrategy):
             ),
         )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+        env = self.env
+        assert env is not None
         from fairscale.nn.data_parallel import ShardedDataParallel
 
         module = module.to(env.device)
@@ -287,12 +290,14 @@ class FairscaleFSDPStrategy(Strategy):
         )
 
     def validate(self, settings: Any, world_size: int) -> None:
-        if settings.accelerator == "cpu":
+        if resolve_accelerator(settings.accelerator) == "cpu":
             raise ConfigurationError(
                 "accelerator", "fairscale FullyShardedDataParallel is CUDA-only", "use accelerator='cuda' or 'auto'"
             )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+        env = self.env
+        assert env is not None
         from fairscale.nn import FullyShardedDataParallel
 
         self.module = module

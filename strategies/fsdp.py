@@ -66,7 +66,8 @@ from unison.ownership import (
 from unison.plugin import hookimpl
 from unison.registry import StrategySpec
 from unison.state import canonical, dcp_load, dcp_save
-from unison.strategy import DistEnv, OptimizerFactory, Strategy
+from unison.env import resolve_accelerator
+from unison.strategy import OptimizerFactory, Strategy
 
 
 class FSDPOptions(pydantic.BaseModel):
@@ -326,7 +327,9 @@ class FSDP2Strategy(_ShardedStrategy):
             notes=_NOTES_FSDP2,
         )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+        env = self.env
+        assert env is not None
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -337,7 +340,7 @@ class FSDP2Strategy(_ShardedStrategy):
 
         module = module.to(env.device)
         mesh = init_device_mesh(env.device.type, (env.world_size,))
-        self._policy_precision = precision.name == "bf16-mixed"
+        self._policy_precision = precision.support.owner is PrecisionOwner.SHARDING_POLICY
         inner_mp = root_mp = MixedPrecisionPolicy()
         if self._policy_precision:
             inner_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -419,7 +422,9 @@ class FSDP1Strategy(_ShardedStrategy):
             notes=_NOTES_FSDP1,
         )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+        env = self.env
+        assert env is not None
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffload,
@@ -438,7 +443,7 @@ class FSDP1Strategy(_ShardedStrategy):
         # layout and fails the resume with "Missing key ... optim.param_groups".
         mesh = init_device_mesh(env.device.type, (env.world_size,))
         units = {id(m) for _, m in shard_units(module, self.options.shard_module_classes)}
-        self._policy_precision = precision.name == "bf16-mixed"
+        self._policy_precision = precision.support.owner is PrecisionOwner.SHARDING_POLICY
         # cast_forward_inputs: every unit casts its floating inputs to bf16, as
         # FSDP2 does; otherwise an fp32 activation (e.g. after adding an fp32
         # buffer) would meet bf16 weights in the next unit.
@@ -470,10 +475,7 @@ class FSDP1Strategy(_ShardedStrategy):
             raise RuntimeError("FullyShardedDataParallel replaced parameters the optimizer holds; cannot continue")
 
     def validate(self, settings: Any, world_size: int) -> None:
-        accelerator = settings.accelerator
-        if accelerator == "auto":
-            accelerator = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.options.cpu_offload and accelerator == "cpu":
+        if self.options.cpu_offload and resolve_accelerator(settings.accelerator) == "cpu":
             # Measured (torch 2.13): FSDP1 pins the offloaded flat shards with
             # pin_memory(), which raises "Cannot access accelerator device when
             # none is available" at the first forward. Refuse up front instead.

@@ -74,18 +74,21 @@ from torch.distributed.checkpoint.state_dict import (
 from unison.errors import ConfigurationError
 from unison.ownership import (
     AccumulationOwner,
+    Feature,
     GradAccumulation,
     Ownership,
     PrecisionOwner,
     PrecisionSupport,
     StateDictDeclaration,
     StateDictKind,
+    WorldSizes,
 )
 from unison.plugin import hookimpl
 from unison.precision import Precision
 from unison.registry import StrategySpec, missing_modules
 from unison.state import canonical
-from unison.strategy import DistEnv, LossFn, OptimizerFactory, Strategy
+from unison.env import DistEnv
+from unison.strategy import LossFn, OptimizerFactory, Strategy
 
 #: Schedule name -> (torch class name, placement of model chunks on ranks).
 #: ``single``: one chunk per rank; ``loop``: rank p holds chunks p, p+S, ...;
@@ -254,6 +257,24 @@ _PIPELINE_STATE = StateDictDeclaration(
 )
 
 
+#: What a pipeline cannot take, and why (shown by ``unison describe``; refused before training).
+_PIPELINE_REFUSALS = {
+    Feature.TRAINING_STEP: (
+        "each rank holds only some stages of the model, so no rank can call training_step(model, batch) on the "
+        "whole model; the last stage computes loss_fn(outputs, targets). Pass loss_fn=... with (inputs, targets) "
+        "batches, or train this model with a data-parallel strategy (ddp, fsdp, zero*)"
+    ),
+    Feature.ARBITRARY_MODULE: (
+        "the model is cut into contiguous runs of its layers: pass an nn.Sequential, or declare the split points "
+        "with pipeline_layers = [child names in forward order]"
+    ),
+    Feature.TIED_WEIGHTS: (
+        "a parameter shared by layers that land in different model chunks would get two independent copies; "
+        "ties within one chunk are fine (choose the cut with strategy_options.balance)"
+    ),
+}
+
+
 class _StageForward(torch.nn.Module):
     """Runs one stage inside the trainer's precision context.
 
@@ -339,11 +360,11 @@ class PipelineStrategy(Strategy):
                 ),
             },
             state_dict=_PIPELINE_STATE,
+            refuses=_PIPELINE_REFUSALS,
+            world_sizes=WorldSizes(minimum=o.stages, multiple_of=o.stages,
+                                   reason=f"each data-parallel replica is a pipeline of stages={o.stages} ranks"),
             notes=(
-                (
-                    "the model must be an nn.Sequential; model chunks are contiguous runs of its children; "
-                    "a parameter shared by two chunks (tied weights) is refused before training"
-                ),
+                "model chunks are contiguous runs of the Sequential's children (or of the declared pipeline_layers)",
                 "inputs, targets and the activations between chunks must be single tensors",
                 (
                     "interleaved and zero-bubble schedules hold stages_per_rank model chunks per rank; ZBV uses the "
@@ -363,13 +384,8 @@ class PipelineStrategy(Strategy):
         return self._dp_group
 
     def validate(self, settings: Any, world_size: int) -> None:
+        # The world size is checked against the declaration (world_sizes) by the trainer.
         o = self.options
-        if world_size % o.stages:
-            raise ConfigurationError(
-                "strategy_options.stages",
-                f"world size {world_size} is not a multiple of stages={o.stages}",
-                f"launch a multiple of {o.stages} processes, or set stages to a divisor of {world_size}",
-            )
         n = settings.accumulate_grad_batches
         if o.schedule == "1f1b" and n < o.stages:
             raise ConfigurationError(
@@ -419,11 +435,12 @@ class PipelineStrategy(Strategy):
             return chunk if chunk < S else 2 * S - 1 - chunk
         return chunk % S
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+        env = self.env
+        assert env is not None
         from torch.distributed import pipelining
 
         o = self.options
-        self.env = env
         self._make_groups(env)
         balance = _check_model(module, self.chunks, o.balance, self.per_rank)
         module = as_layers(module)
@@ -530,7 +547,7 @@ class PipelineStrategy(Strategy):
         losses = losses.to(device)
         if self.options.stages > 1:
             dist.broadcast(losses, src=self._last_rank, group=self._pp_group)
-        return list(losses.cpu().unbind())
+        return list(losses.unbind())
 
     def _all_reduce_grads(self) -> None:
         """Mean of each stage's gradients over its data-parallel replicas (one flat all-reduce)."""
@@ -723,20 +740,22 @@ class DeepSpeedPipelineStrategy(PipelineStrategy):
                 "16-mixed": PrecisionSupport.unsupported(unsupported.format("fp16 loss scaling")),
             },
             state_dict=_PIPELINE_STATE,
+            refuses={
+                **_PIPELINE_REFUSALS,
+                Feature.ARBITRARY_MODULE: "DeepSpeed's PipelineModule takes a list of layers: pass an nn.Sequential "
+                "(strategy 'pipeline' also accepts a module declaring pipeline_layers)",
+            },
+            world_sizes=WorldSizes(minimum=self.options.stages, multiple_of=self.options.stages,
+                                   reason=f"each data-parallel replica is a pipeline of stages={self.options.stages} ranks"),
             notes=(
-                "the model must be an nn.Sequential; DeepSpeed partitions its children (partition_method)",
+                "DeepSpeed partitions the Sequential's children (partition_method)",
                 "inputs, targets and the activations between stages must be single tensors",
                 "validation runs a plain forward through the stages (no schedule), one batch at a time",
             ),
         )
 
     def validate(self, settings: Any, world_size: int) -> None:
-        if world_size % self.options.stages:
-            raise ConfigurationError(
-                "strategy_options.stages",
-                f"world size {world_size} is not a multiple of stages={self.options.stages}",
-                f"launch a multiple of {self.options.stages} processes, or set stages to a divisor of {world_size}",
-            )
+        pass  # the world size is checked against the declaration (world_sizes) by the trainer
 
     def validate_model(self, model: torch.nn.Module, settings: Any) -> None:
         if not isinstance(model, torch.nn.Sequential):
@@ -750,7 +769,9 @@ class DeepSpeedPipelineStrategy(PipelineStrategy):
             )
         _check_model(model, self.options.stages, None)
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+        env = self.env
+        assert env is not None
         import os
 
         if env.device.type == "cpu":
@@ -762,7 +783,6 @@ class DeepSpeedPipelineStrategy(PipelineStrategy):
 
         S = self.options.stages
         R = env.world_size // S
-        self.env = env
         # PipelineModule needs deepspeed.comm before the engine exists; it
         # wraps the trainer's process group.
         deepspeed.init_distributed(dist_backend=dist.get_backend())
@@ -776,7 +796,7 @@ class DeepSpeedPipelineStrategy(PipelineStrategy):
             partition_method=self.options.partition_method,
         )
         self.optimizer = make_optimizer(pipe_module.parameters())
-        micro = settings.global_batch_size // settings.accumulate_grad_batches // R
+        micro = settings.micro_batch_size(R)
         config = {
             "train_batch_size": settings.global_batch_size,
             "train_micro_batch_size_per_gpu": micro,
@@ -839,7 +859,7 @@ class DeepSpeedPipelineStrategy(PipelineStrategy):
             losses = torch.zeros(n, dtype=torch.float32, device=device)
         if self.options.stages > 1:
             dist.broadcast(losses, src=self._last_rank, group=self._pp_group)
-        return list(losses.cpu().unbind())
+        return list(losses.unbind())
 
     def make_grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         raise NotImplementedError("deepspeed_pipeline supports fp32 only")

@@ -11,7 +11,7 @@ from unison.errors import ConfigurationError
 from unison.ownership import AccumulationOwner, GradAccumulation, Ownership
 from unison.plugin import hookimpl
 from unison.registry import StrategySpec
-from unison.strategy import DistEnv, OptimizerFactory
+from unison.strategy import OptimizerFactory
 
 from unison.strategies._torch import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
 
@@ -40,7 +40,9 @@ class SingleStrategy(ReplicatedStrategy):
                 "use strategy='ddp' (or another distributed strategy), or launch one process",
             )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, env: DistEnv, settings: Any) -> None:
+    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+        env = self.env
+        assert env is not None
         self.module = self.model = module.to(env.device)
         self.optimizer = make_optimizer(module.parameters())
 

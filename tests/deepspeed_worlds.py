@@ -37,13 +37,19 @@ class EngineProbe:
         self.footprint: dict[str, int] | None = None
 
     @unison.hookimpl
+    def unison_on_before_optimizer_step(self, trainer: Any) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None:
+            # The lr the engine is about to apply in this step.
+            self.engine_lrs.append(float(engine.get_lr()[0]))
+
+    @unison.hookimpl
     def unison_on_after_optimizer_step(self, trainer: Any) -> None:
         strategy = trainer.strategy
         engine = getattr(strategy, "engine", None)
         if engine is None:
             return
         self.engine_norms.append(float(engine.get_global_grad_norm()))
-        self.engine_lrs.append(float(engine.get_lr()[0]))
         # The scheduler steps the client optimizer; the ZeRO optimizer must
         # update with the very same param_groups dicts.
         self.shared_param_groups.append(
@@ -73,7 +79,7 @@ def train(strategy: str, *, model: Any = None, data: Any = None, ckpt_path: Any 
         )
     return {
         "state": trainer.full_state_dict(),
-        "history": progress.history,
+        "history": [h.as_dict() for h in progress.history],
         "optimizer_steps": progress.optimizer_steps,
         "scheduler_steps": progress.scheduler_steps,
         "hooks": recorder.calls,

@@ -120,7 +120,7 @@ def fsdp_scenarios(strategy: str, ckpt_root: str) -> dict[str, Any]:
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5),
     )
-    out["overflow"] = {"history": progress.history, "optimizer_steps": progress.optimizer_steps,
+    out["overflow"] = {"history": [h.as_dict() for h in progress.history], "optimizer_steps": progress.optimizer_steps,
                        "scheduler_steps": progress.scheduler_steps, "state": trainer.full_state_dict(),
                        "scale": scale.scale, "sharded_scaler": scale.sharded}
     # Tied weights and a buffer: the default selection leaves the shared weight to the root.

@@ -101,7 +101,7 @@ def train(strategy: str = "single", *, data: Any = None, model: Any = None, lr: 
         )
     return {
         "state": trainer.full_state_dict(),
-        "history": progress.history,
+        "history": [h.as_dict() for h in progress.history],
         "optimizer_steps": progress.optimizer_steps,
         "scheduler_steps": progress.scheduler_steps,
         "hooks": recorder.calls,

@@ -36,7 +36,7 @@ def test_apex_o1_is_unavailable_here_with_the_precise_reason():
 @pytest.mark.parametrize("strategy", ["single", "ddp"])
 def test_trainer_asking_for_apex_fails_before_any_process_group(strategy):
     with pytest.raises(ConfigurationError) as info:
-        unison.Trainer(strategy=strategy, precision="apex-O1")
+        unison.Trainer(max_steps=1, strategy=strategy, precision="apex-O1")
     assert info.value.option == "precision"
     assert "apex-O1" in str(info.value)
     assert not torch.distributed.is_initialized()

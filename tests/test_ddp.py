@@ -84,7 +84,7 @@ def test_fp16_overflow_skips_step_and_scheduler_on_both_backends(world, referenc
 def test_resume_is_bitwise_equal_to_uninterrupted(world):
     for rank in world:
         assert max_abs_diff(rank["resumed"]["state"], rank["fp32"]["state"]) == 0.0
-        assert rank["resumed"]["history"] == rank["fp32"]["history"]
+        assert rank["resumed"]["history"] == rank["fp32"]["history"][10:]
         assert rank["resumed"]["optimizer_steps"] == 20 and rank["resumed"]["scheduler_steps"] == 20
 
 

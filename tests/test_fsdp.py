@@ -134,7 +134,7 @@ def test_resume_equals_uninterrupted(world):
     for rank in ranks:
         # measured: bitwise
         assert max_abs_diff(rank["resumed"]["state"], rank["fp32"]["state"]) == 0.0
-        assert rank["resumed"]["history"] == rank["fp32"]["history"]
+        assert rank["resumed"]["history"] == rank["fp32"]["history"][10:]
         assert rank["resumed"]["optimizer_steps"] == rank["resumed"]["scheduler_steps"] == 20
         assert rank["resumed"]["hooks"][1][0] == "load_checkpoint"
 
@@ -197,13 +197,13 @@ def test_declaration(strategy):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_unknown_option_is_rejected_naming_it(strategy):
     with pytest.raises(unison.ConfigurationError, match="offload_optimizer") as exc:
-        unison.Trainer(strategy=strategy, strategy_options={"offload_optimizer": "cpu"})
+        unison.Trainer(max_steps=1, strategy=strategy, strategy_options={"offload_optimizer": "cpu"})
     assert "shard_module_classes" in exc.value.fix  # lists the valid options
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_shard_module_class_absent_from_model_is_rejected_before_process_group(strategy):
-    trainer = unison.Trainer(strategy=strategy, strategy_options={"shard_module_classes": ["TransformerBlock"]})
+    trainer = unison.Trainer(max_steps=1, strategy=strategy, strategy_options={"shard_module_classes": ["TransformerBlock"]})
     with pytest.raises(unison.ConfigurationError, match="TransformerBlock") as exc:
         trainer.fit(mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
                     optimizer=lambda p: torch.optim.AdamW(p))
@@ -214,13 +214,13 @@ def test_shard_module_class_absent_from_model_is_rejected_before_process_group(s
 
 def test_fsdp1_refuses_cpu_offload_on_cpu_before_process_group():
     with pytest.raises(unison.ConfigurationError, match="pin") as exc:
-        unison.Trainer(strategy="fsdp1", strategy_options={"cpu_offload": True}, accelerator="cpu")
+        unison.Trainer(max_steps=1, strategy="fsdp1", strategy_options={"cpu_offload": True}, accelerator="cpu")
     assert exc.value.option == "strategy_options.cpu_offload"
     assert not torch.distributed.is_initialized()
 
 
 def test_explicit_unit_sharing_a_tied_weight_is_rejected():
-    trainer = unison.Trainer(strategy="fsdp", strategy_options={"shard_module_classes": ["Linear"]})
+    trainer = unison.Trainer(max_steps=1, strategy="fsdp", strategy_options={"shard_module_classes": ["Linear"]})
     with pytest.raises(unison.ConfigurationError, match="tied"):
         trainer.fit(TiedMLP(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
                     optimizer=lambda p: torch.optim.AdamW(p))

@@ -103,9 +103,9 @@ def test_cross_backend_resume_equals_uninterrupted(world, reference, direction):
         assert max_abs_diff(run["state"], rank["gpipe"]["state"]) <= FP32_TOL
         assert max_abs_diff(run["state"], reference["fp32"]["state"]) <= FP32_TOL
         assert run["optimizer_steps"] == run["scheduler_steps"] == 20
-        # the history of steps 0-9 comes back from the checkpoint, 10-19 are new
-        assert [h["step"] for h in run["history"]] == list(range(20))
-        for a, b in zip(run["history"], reference["fp32"]["history"]):
+        # the resumed fit reports steps 10-19, equal to the reference's
+        assert [h["step"] for h in run["history"]] == list(range(10, 20))
+        for a, b in zip(run["history"], reference["fp32"]["history"][10:]):
             assert abs(a["loss"] - b["loss"]) <= LOSS_TOL
         assert ("load_checkpoint", reference_recorder_count(reference)) in run["hooks"]
 
@@ -181,7 +181,7 @@ def world_of(monkeypatch):
 
 def test_rejects_non_sequential_model(world_of):
     world_of(2)
-    trainer = unison.Trainer(strategy="pipeline", global_batch_size=32, accumulate_grad_batches=4)
+    trainer = unison.Trainer(max_steps=1, strategy="pipeline", global_batch_size=32, accumulate_grad_batches=4)
     with pytest.raises(ConfigurationError, match="nn.Sequential"):
         _fit(trainer, NotSequential())
     assert not torch.distributed.is_initialized()
@@ -189,7 +189,7 @@ def test_rejects_non_sequential_model(world_of):
 
 def test_rejects_more_stages_than_layers(world_of):
     world_of(8)
-    trainer = unison.Trainer(strategy="pipeline", strategy_options={"stages": 8}, accumulate_grad_batches=8)
+    trainer = unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"stages": 8}, accumulate_grad_batches=8)
     with pytest.raises(ConfigurationError, match="stages") as err:
         _fit(trainer, mlp())  # 5 layers
     assert "5" in str(err.value)
@@ -198,11 +198,11 @@ def test_rejects_more_stages_than_layers(world_of):
 
 def test_rejects_balance_not_summing_to_layers(world_of):
     world_of(2)
-    trainer = unison.Trainer(strategy="pipeline", strategy_options={"balance": [2, 2]})
+    trainer = unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"balance": [2, 2]})
     with pytest.raises(ConfigurationError, match="balance"):
         _fit(trainer, mlp())
     with pytest.raises(ConfigurationError, match="balance"):
-        unison.Trainer(strategy="pipeline", strategy_options={"balance": [5]})  # one count for two stages
+        unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"balance": [5]})  # one count for two stages
     assert not torch.distributed.is_initialized()
 
 
@@ -212,18 +212,19 @@ def test_rejects_tied_weights_across_stages(world_of):
     model[4] = torch.nn.Linear(8, 8)
     model.append(torch.nn.Linear(8, 1))
     model[4].weight = model[2].weight  # tied, and the balance puts them on different stages
-    trainer = unison.Trainer(strategy="pipeline", strategy_options={"balance": [3, 3]})
+    trainer = unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"balance": [3, 3]})
     with pytest.raises(ConfigurationError, match="tied"):
         _fit(trainer, model)
 
 
 def test_rejects_world_size_not_multiple_of_stages(world_of):
     world_of(3)
-    with pytest.raises(ConfigurationError, match="multiple of stages"):
-        unison.Trainer(strategy="pipeline")
+    with pytest.raises(unison.DeclaredRefusal, match="world size 3 is not a multiple of 2") as info:
+        unison.Trainer(max_steps=1, strategy="pipeline")
+    assert info.value.feature == "world_size"
     world_of(1)
-    with pytest.raises(ConfigurationError, match="multiple of stages"):
-        unison.Trainer(strategy="pipeline")
+    with pytest.raises(unison.DeclaredRefusal, match="world size 1 is not a multiple of 2"):
+        unison.Trainer(max_steps=1, strategy="pipeline")
 
 
 def test_rejects_micro_batch_not_dividing_over_replicas(world_of):
@@ -231,32 +232,32 @@ def test_rejects_micro_batch_not_dividing_over_replicas(world_of):
     # although it would over the 1 replica a 2-rank world has.
     world_of(4)
     with pytest.raises(ConfigurationError, match="2 data-parallel replicas"):
-        unison.Trainer(strategy="pipeline", global_batch_size=12, accumulate_grad_batches=4)
+        unison.Trainer(max_steps=1, strategy="pipeline", global_batch_size=12, accumulate_grad_batches=4)
     world_of(2)
-    unison.Trainer(strategy="pipeline", global_batch_size=12, accumulate_grad_batches=4)
+    unison.Trainer(max_steps=1, strategy="pipeline", global_batch_size=12, accumulate_grad_batches=4)
 
 
 def test_rejects_1f1b_with_fewer_micro_batches_than_stages(world_of):
     world_of(2)
     with pytest.raises(ConfigurationError, match="accumulate_grad_batches"):
-        unison.Trainer(strategy="pipeline", strategy_options={"schedule": "1f1b"}, accumulate_grad_batches=1)
+        unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"schedule": "1f1b"}, accumulate_grad_batches=1)
 
 
 def test_rejects_unknown_schedule_and_bad_chunk_counts(world_of):
     with pytest.raises(ConfigurationError, match="schedule"):
-        unison.Trainer(strategy="pipeline", strategy_options={"schedule": "pipedream"})
+        unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"schedule": "pipedream"})
     with pytest.raises(ConfigurationError, match="stages_per_rank"):
-        unison.Trainer(strategy="pipeline", strategy_options={"schedule": "gpipe", "stages_per_rank": 2})
+        unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"schedule": "gpipe", "stages_per_rank": 2})
     with pytest.raises(ConfigurationError, match="stages_per_rank"):
-        unison.Trainer(strategy="pipeline", strategy_options={"schedule": "zbv_zero_bubble", "stages_per_rank": 3})
+        unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"schedule": "zbv_zero_bubble", "stages_per_rank": 3})
     world_of(2)
     # 2 stages x 3 chunks per rank = 6 chunks > 5 layers
-    trainer = unison.Trainer(strategy="pipeline", strategy_options={"schedule": "interleaved_1f1b", "stages_per_rank": 3})
+    trainer = unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"schedule": "interleaved_1f1b", "stages_per_rank": 3})
     with pytest.raises(ConfigurationError, match="6 model chunks"):
         _fit(trainer, mlp())
     # 5 micro-batches over 2 stages run in 2 rounds, which 5 does not divide
     with pytest.raises(ConfigurationError, match="rounds"):
-        unison.Trainer(strategy="pipeline", strategy_options={"schedule": "interleaved_1f1b"},
+        unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"schedule": "interleaved_1f1b"},
                        accumulate_grad_batches=5, global_batch_size=40)
 
 
@@ -276,12 +277,12 @@ def test_deepspeed_pipeline_declares_fp32_only(world_of):
     assert not own.precision_support("bf16-mixed").supported
     world_of(2)
     with pytest.raises(ConfigurationError, match="does not support precision"):
-        unison.Trainer(strategy="deepspeed_pipeline", precision="16-mixed")
+        unison.Trainer(max_steps=1, strategy="deepspeed_pipeline", precision="16-mixed")
     with pytest.raises(ConfigurationError, match="nn.Sequential"):
-        _fit(unison.Trainer(strategy="deepspeed_pipeline"), NotSequential())
+        _fit(unison.Trainer(max_steps=1, strategy="deepspeed_pipeline"), NotSequential())
     world_of(3)
-    with pytest.raises(ConfigurationError, match="multiple of stages"):
-        unison.Trainer(strategy="deepspeed_pipeline")
+    with pytest.raises(ConfigurationError, match="world size 3 is not a multiple of 2"):
+        unison.Trainer(max_steps=1, strategy="deepspeed_pipeline")
 
 
 def test_declaration():

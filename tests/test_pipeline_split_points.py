@@ -38,7 +38,7 @@ class UnknownLayer(Regressor):
 ])
 def test_bad_split_points_are_refused_before_training(monkeypatch, model, match):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    trainer = unison.Trainer(strategy="pipeline", global_batch_size=8, accumulate_grad_batches=2)
+    trainer = unison.Trainer(max_steps=1, strategy="pipeline", global_batch_size=8, accumulate_grad_batches=2)
     with pytest.raises(unison.ConfigurationError, match=match):
         trainer.fit(model(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
                     optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
@@ -47,7 +47,7 @@ def test_bad_split_points_are_refused_before_training(monkeypatch, model, match)
 
 def test_deepspeed_pipeline_refuses_declared_split_points(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    trainer = unison.Trainer(strategy="deepspeed_pipeline", global_batch_size=8, accumulate_grad_batches=2)
+    trainer = unison.Trainer(max_steps=1, strategy="deepspeed_pipeline", global_batch_size=8, accumulate_grad_batches=2)
     with pytest.raises(unison.ConfigurationError, match="use strategy 'pipeline'"):
         trainer.fit(Regressor(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
                     optimizer=lambda p: torch.optim.SGD(p, lr=0.1))

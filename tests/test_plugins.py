@@ -49,7 +49,7 @@ def test_wrong_hook_argument_is_rejected_naming_plugin_and_hook():
             pass
 
     with pytest.raises(PluginError, match=r"unison_on_train_step_end.*stepp|stepp.*unison_on_train_step_end"):
-        unison.Trainer(strategy="single", callbacks=[Bad()])
+        unison.Trainer(max_steps=1, strategy="single", callbacks=[Bad()])
 
 
 def test_unknown_hook_is_rejected_naming_plugin_and_hook():
@@ -59,7 +59,7 @@ def test_unknown_hook_is_rejected_naming_plugin_and_hook():
             pass
 
     with pytest.raises(PluginError, match="unison_on_trian_step_end") as info:
-        unison.Trainer(strategy="single", callbacks=[Typo()])
+        unison.Trainer(max_steps=1, strategy="single", callbacks=[Typo()])
     assert "Typo" in str(info.value) or "plugin" in str(info.value)
 
 
@@ -149,4 +149,4 @@ def test_unavailable_strategy_is_listed_with_reason_and_refused():
     spec = {s.name: s for s in pm.strategies.specs()}["needs_gpu"]
     assert spec.unavailable == "needs CUDA, which this machine does not have"
     with pytest.raises(unison.ConfigurationError, match="unavailable here: needs CUDA"):
-        unison.Trainer(strategy="needs_gpu", plugin_manager=pm)
+        unison.Trainer(max_steps=1, strategy="needs_gpu", plugin_manager=pm)

@@ -88,8 +88,10 @@ def test_fp32_matches_single_with_accumulation_clipping_and_scheduler(strategy, 
 
 def test_the_factory_built_optimizer_is_the_one_that_steps(strategy, world):
     # The user's instance becomes this rank's local optimizer: its step hooks fire once per update.
+    # The factory is called twice: once on the model's parameters before any process group (to refuse
+    # a factory that ignores its argument early), once by the strategy; only the second one steps.
     for rank in world:
-        assert rank["factory_steps"] == {"factory_calls": 1, "steps": 3, "trainer_steps": 3}
+        assert rank["factory_steps"] == {"factory_calls": 2, "steps": 3, "trainer_steps": 3}
 
 
 def test_hook_sequence_identical_to_single(strategy, world, reference):
@@ -212,7 +214,7 @@ def test_fairscale_fsdp_is_registered_and_unavailable_without_cuda():
         pytest.skip("CUDA present: fairscale_fsdp is available")
     assert spec.unavailable == "fairscale FullyShardedDataParallel is CUDA-only"
     with pytest.raises(StrategyUnavailableError, match="CUDA-only"):
-        unison.Trainer(strategy="fairscale_fsdp")
+        unison.Trainer(max_steps=1, strategy="fairscale_fsdp")
     assert not torch.distributed.is_initialized()
 
 
@@ -224,7 +226,7 @@ def test_fairscale_strategies_unavailable_when_fairscale_is_missing(monkeypatch)
         assert specs[name].unavailable == unison.registry.missing_modules("fairscale")
         assert "'fairscale' is not installed" in specs[name].unavailable
     with pytest.raises(StrategyUnavailableError, match="fairscale"):
-        unison.Trainer(strategy="fairscale_oss")
+        unison.Trainer(max_steps=1, strategy="fairscale_oss")
     assert specs["torch_zero"].unavailable is None
 
 
@@ -239,9 +241,9 @@ def test_listing_strategies_does_not_import_fairscale():
 
 def test_fairscale_sdp_options_are_validated():
     with pytest.raises(ConfigurationError, match="reduce_buffer"):
-        unison.Trainer(strategy="fairscale_sdp", strategy_options={"reduce_buffer_size": -1})
+        unison.Trainer(max_steps=1, strategy="fairscale_sdp", strategy_options={"reduce_buffer_size": -1})
     with pytest.raises(ConfigurationError, match="bucket"):
-        unison.Trainer(strategy="fairscale_sdp", strategy_options={"bucket": 1})
+        unison.Trainer(max_steps=1, strategy="fairscale_sdp", strategy_options={"bucket": 1})
 
 
 def test_optimizer_recipe_keeps_class_defaults_and_param_groups():

@@ -100,7 +100,9 @@ class ModelCheckpoint:
         done, s = step + 1, trainer.settings
         if self.every_n_steps is None or done % self.every_n_steps:
             return
-        trainer_saves = (s.checkpoint_every_n_steps and done % s.checkpoint_every_n_steps == 0) or done == s.max_steps
+        last = trainer.data.total_steps() if trainer.data is not None else s.max_steps
+        # The trainer saves on its own schedule and at the end: never the same step twice.
+        trainer_saves = (s.checkpoint_every_n_steps and done % s.checkpoint_every_n_steps == 0) or done == last
         if not trainer_saves:
             trainer.save_checkpoint()
 

@@ -70,12 +70,11 @@ class HandwrittenDataParallel(unison.Strategy):
             ),
         )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: Any, *, precision: Any, env: Any, settings: Any) -> None:
-        module = module.to(env.device)
-        if env.distributed:
-            # Start every replica from rank 0's weights and buffers.
-            for tensor in [*module.parameters(), *module.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+    def setup(self, module: torch.nn.Module, make_optimizer: Any, *, precision: Any, settings: Any) -> None:
+        # The trainer bound self.env and already made every replica start from
+        # rank 0's weights (the declaration's default replica_init="trainer").
+        assert self.env is not None
+        module = module.to(self.env.device)
         self.module = self.model = module
         self.optimizer = make_optimizer(module.parameters())
 

@@ -1,0 +1,122 @@
+"""Batches of any structure: tensors nested in tuples, lists, dicts (``Mapping``), namedtuples.
+
+The trainer never assumes a batch is ``(inputs, targets)`` except in the
+``loss_fn`` form. Everything it does to a batch walks the structure:
+
+* :func:`move_to_device` moves every tensor leaf (other leaves are kept);
+* :func:`batch_size` finds the batch dimension: the first dimension of every
+  tensor leaf with at least one dimension, which must agree (0-dim tensors and
+  non-tensor leaves have none);
+* :func:`split_batch` cuts every such leaf along that dimension;
+* :func:`count_tokens` applies the documented token rule for throughput.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+from unison.errors import ConfigurationError
+
+
+def _is_namedtuple(value: Any) -> bool:
+    return isinstance(value, tuple) and hasattr(value, "_fields")
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
+    """Apply ``fn`` to every tensor leaf, keeping the containers (and their types)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if _is_namedtuple(batch):
+        return type(batch)(*(map_tensors(fn, v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    if isinstance(batch, Mapping):
+        mapped = {k: map_tensors(fn, v) for k, v in batch.items()}
+        try:
+            # Keep the mapping's own type (e.g. transformers' BatchEncoding).
+            return type(batch)(mapped)
+        except Exception:  # a Mapping type that cannot be rebuilt from a dict
+            return mapped
+    return batch
+
+
+def tensor_leaves(batch: Any, path: str = "batch") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor leaf with its path (``batch['input_ids']``, ``batch[0]``)."""
+    if isinstance(batch, torch.Tensor):
+        return [(path, batch)]
+    if isinstance(batch, (list, tuple)):
+        return [leaf for i, v in enumerate(batch) for leaf in tensor_leaves(v, f"{path}[{i}]")]
+    if isinstance(batch, Mapping):
+        return [leaf for k, v in batch.items() for leaf in tensor_leaves(v, f"{path}[{k!r}]")]
+    return []
+
+
+def move_to_device(batch: Any, device: torch.device, *, non_blocking: bool = False) -> Any:
+    """Every tensor leaf on ``device`` (``non_blocking`` for pinned host memory)."""
+    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
+
+
+def batch_size(batch: Any, *, where: str = "batch") -> int | None:
+    """The size of the batch dimension (dim 0), agreed by every tensor leaf that has one.
+
+    Returns ``None`` for a batch without such a leaf. A leaf that disagrees is
+    a :class:`ConfigurationError` naming it and the others' size.
+    """
+    size: int | None = None
+    first = ""
+    for path, tensor in tensor_leaves(batch, where):
+        if tensor.dim() == 0:
+            continue
+        if size is None:
+            size, first = tensor.shape[0], path
+        elif tensor.shape[0] != size:
+            raise ConfigurationError(
+                "batch",
+                f"{path} has {tensor.shape[0]} rows along dim 0 but {first} has {size}: every tensor leaf of a "
+                "batch must hold the batch dimension first",
+                "make the dataset/collate_fn return leaves of equal batch size (put per-batch constants in a "
+                "0-dim tensor or a non-tensor value)",
+            )
+    return size
+
+
+def split_batch(batch: Any, parts: int) -> list[Any]:
+    """Cut ``batch`` into ``parts`` equal slices along the batch dimension of every leaf."""
+    size = batch_size(batch)
+    if size is None or size % parts:
+        raise ConfigurationError(
+            "batch", f"a batch of {size} rows does not split into {parts} equal parts", "use a divisible batch size"
+        )
+    step = size // parts
+    return [
+        map_tensors(lambda t, i=i: t[i * step : (i + 1) * step] if t.dim() > 0 else t, batch) for i in range(parts)
+    ]
+
+
+def count_tokens(batch: Any) -> int | None:
+    """Tokens in a (collated, host-side) batch, by the documented rule; ``None`` when it does not say.
+
+    1. a mapping with an ``attention_mask`` tensor: its sum (padding excluded);
+    2. else a mapping with an ``input_ids`` tensor: its number of elements;
+    3. else an ``(inputs, targets)`` pair whose inputs are an integer tensor of
+       at least 2 dimensions (token ids): its number of elements;
+    4. else ``None`` (no tokens/s is reported).
+
+    Pass ``fit(..., count_tokens=fn)`` to use another rule.
+    """
+    if isinstance(batch, Mapping):
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            return int(mask.sum())
+        ids = batch.get("input_ids")
+        if isinstance(ids, torch.Tensor):
+            return ids.numel()
+        return None
+    if isinstance(batch, (list, tuple)) and len(batch) == 2 and isinstance(batch[0], torch.Tensor):
+        inputs = batch[0]
+        if not inputs.is_floating_point() and not inputs.is_complex() and inputs.dim() >= 2:
+            return inputs.numel()
+    return None
