@@ -53,7 +53,9 @@ def run(callbacks, max_steps=10, data=None, model=None, ckpt_path=None, optimize
 
 
 def committed(root: Path) -> list[int]:
-    return sorted(int(p.name.split("-")[1]) for p in root.glob("step-*") if (p / "meta.json").exists())
+    """Steps of the committed checkpoints under ``root`` (``step-00000004`` or a re-save ``step-00000004.1``)."""
+    done = [p for p in root.glob("step-*") if (p / "meta.json").exists() or (p / "manifest.json").exists()]
+    return sorted(int(p.name.split("-")[1].split(".")[0]) for p in done)
 
 
 # -- EarlyStopping ------------------------------------------------------------------------ #
@@ -146,7 +148,7 @@ def test_model_checkpoint_every_n_steps_does_not_repeat_the_trainers_saves(tmp_p
 ])
 def test_model_checkpoint_refuses_settings_before_any_process_group(settings, kwargs, match):
     with pytest.raises(unison.ConfigurationError, match=match):
-        unison.Trainer(strategy="ddp", callbacks=[ModelCheckpoint(**kwargs)], **settings)
+        unison.Trainer(strategy="ddp", max_steps=5, callbacks=[ModelCheckpoint(**kwargs)], **settings)
     assert not torch.distributed.is_initialized()
 
 

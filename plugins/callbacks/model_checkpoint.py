@@ -33,10 +33,14 @@ from unison.errors import ConfigurationError
 from unison.plugin import hookimpl
 
 
-# -- the checkpointer's listing and removal (one place, so a new layout changes only these) -- #
+# -- the checkpointer's listing and removal, in one place ---------------------------------- #
 def _committed(checkpointer: Any) -> list[tuple[Path, int]]:
-    """``(path, step)`` of every committed checkpoint under the root, oldest first."""
-    entries = []
+    """``(path, step)`` of this run's committed checkpoints, oldest commit first."""
+    if hasattr(checkpointer, "committed"):
+        # Manifest layout: commit order; another run's checkpoints (or unreadable ones) are never ours.
+        return [(c.path, c.manifest.step) for c in checkpointer.committed()
+                if c.manifest is not None and c.manifest.run == checkpointer.run_id]
+    entries = []  # meta.json layout: one run per directory, step order is commit order
     for path in checkpointer.root.glob("step-*"):
         if (path / "meta.json").exists():
             entries.append((path, int(json.loads((path / "meta.json").read_text())["step"])))
@@ -44,7 +48,11 @@ def _committed(checkpointer: Any) -> list[tuple[Path, int]]:
 
 
 def _remove(checkpointer: Any, path: Path) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    storage = getattr(checkpointer, "storage", None)
+    if storage is not None:
+        storage.remove_tree(path)  # through the checkpointer's storage (local disk or object store)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class ModelCheckpoint:
