@@ -181,3 +181,24 @@ def test_two_runs_of_the_example_make_two_complete_run_directories(tmp_path):
         assert {"train/loss", "val/loss", "perf/tokens_per_s"} <= set(jsonl[20])
         meta = json.loads((run / "run.json").read_text())
         assert meta["config"]["trainer"]["max_steps"] == 20 and meta["config"]["logging"]["dir"] == "runs/tinylm"
+
+
+def test_trainer_log_from_training_step_reaches_the_loggers_at_logging_steps(tmp_path):
+    trainer, recorder = make_trainer([JSONLLogger(tmp_path)], max_steps=4, val_every_n_steps=None)
+    calls = []
+
+    def training_step(model, batch):
+        inputs, targets = batch
+        loss = torch.nn.functional.cross_entropy(model(inputs), targets)
+        calls.append(trainer.global_step)
+        trainer.log({"user/step_seen": float(trainer.global_step), "user/loss_tensor": loss.detach()})
+        return loss
+
+    trainer.fit(TokenModel(), token_data(), training_step=training_step,
+                optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+    logged = recorder.by_step()
+    assert sorted(logged) == [2, 4] and calls == [0, 1, 2, 3]
+    # the latest value per name goes out with the next logging step's metrics, as a float
+    assert logged[2]["user/step_seen"] == 1.0 and logged[4]["user/step_seen"] == 3.0
+    assert isinstance(logged[4]["user/loss_tensor"], float)
+    same(jsonl_metrics(tmp_path / "version_0"), logged)

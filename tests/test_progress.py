@@ -116,3 +116,12 @@ def test_plain_mode_on_a_console_prints_every_n_steps(capsys):
     fit(trainer, steps_val=False)
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("train step")]
     assert [l.split(" | ")[0] for l in lines] == ["train step 3/6", "train step 6/6"]
+
+
+def test_plain_lines_count_to_the_end_of_max_epochs(capsys):
+    # 256 samples / 16 per step = 16 steps per epoch; 2 epochs end at step 32
+    trainer = unison.Trainer(strategy="single", global_batch_size=16, max_epochs=2, progress="plain",
+                             progress_every_n_steps=16)
+    fit(trainer, steps_val=False)
+    lines = [l.split(" | ")[0] for l in capsys.readouterr().out.splitlines() if l.startswith("train step")]
+    assert lines == ["train step 16/32", "train step 32/32"]
