@@ -106,7 +106,9 @@ def logged_run(strategy: str, root: str, tracking_uri: str | None) -> dict[str, 
     recorder = MetricsRecorder()
     run = RunDirectory(Path(root) / "runs")
     loggers = [JSONLLogger(run), CSVLogger(run), TensorBoardLogger(run), WandbLogger(run, project="backends")]
-    mlflow = MLflowLogger(run, tracking_uri=tracking_uri, experiment="backends", run_name=strategy) if tracking_uri else None
+    mlflow = None
+    if tracking_uri is not None:
+        mlflow = MLflowLogger(run, tracking_uri=tracking_uri, experiment="backends", run_name=strategy)
     checkpoint = ModelCheckpoint(monitor="val/loss", save_top_k=2)
     trainer = fit(strategy, callbacks=[recorder, LearningRateMonitor(), checkpoint],
                   loggers=loggers + ([mlflow] if mlflow else []), checkpoint_dir=str(Path(root) / "ckpt"))

@@ -244,7 +244,8 @@ def test_profiler_refuses_a_window_that_is_never_reached():
 
 # -- from a config file ------------------------------------------------------------------- #
 def test_callbacks_from_a_config_file(tmp_path):
-    text = (ROOT / "examples" / "tinylm.toml").read_text().replace('factory = "tinylm.py', f'factory = "{ROOT}/examples/tinylm.py')
+    text = (ROOT / "examples" / "tinylm.toml").read_text()
+    text = text.replace('factory = "tinylm.py', f'factory = "{ROOT}/examples/tinylm.py')
     config = tmp_path / "c.toml"
     config.write_text(text + textwrap_callbacks())
     loaded, base = load_config(config)

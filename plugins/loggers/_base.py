@@ -30,7 +30,8 @@ def require(module: str, extra: str, logger: str) -> None:
         found = False
     if not found:
         raise ConfigurationError(
-            logger, f"the {module!r} package is not installed", f"pip install 'unison[{extra}]' (or pip install {module})"
+            logger, f"the {module!r} package is not installed",
+            f"pip install 'unison[{extra}]' (or pip install {module})",
         )
 
 

@@ -56,7 +56,10 @@ class MLflowLogger(RunLogger):
 
         self._client = client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         experiment = client.get_experiment_by_name(self.experiment)
-        experiment_id = experiment.experiment_id if experiment is not None else client.create_experiment(self.experiment)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            experiment_id = client.create_experiment(self.experiment)
         name = self.run_name or (self.run.name if self.run is not None else None)
         tags = {"unison.strategy": metadata["strategy"]["name"], "unison.world_size": str(metadata["world_size"]),
                 **{f"unison.version.{k}": v for k, v in metadata["versions"].items()}, **self.tags}
