@@ -152,10 +152,12 @@ def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) 
         overrides["strategy"] = strategy
     if max_steps is not None:
         overrides["max_steps"] = max_steps
-    run_config, _ = load_config(config, overrides)
+    run_config, base = load_config(config, overrides)
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         # Validate before any worker or process group starts, then relaunch.
-        build_strategy(run_config.trainer, PluginManager(), nproc)
+        pm = PluginManager()
+        build_strategy(run_config.trainer, pm, nproc)
+        _config_plugins(run_config, base, pm)  # loggers and callbacks: constructing them checks their options
         # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
         argv = ["train", config, *(["--strategy", strategy] if strategy else []),
                 *(["--max-steps", str(max_steps)] if max_steps is not None else [])]
@@ -169,8 +171,7 @@ def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
 
     config, base = load_config(config_path, overrides)
     pm = PluginManager()
-    trainer = Trainer(plugin_manager=pm, callbacks=pm.unison_plugins_from_config(config=config),
-                      **config.trainer.model_dump())
+    trainer = Trainer(plugin_manager=pm, callbacks=_config_plugins(config, base, pm), **config.trainer.model_dump())
     build_model = resolve_factory(config.model.factory, base)
     train_ds, val_ds = resolve_factory(config.data.factory, base)(**config.data.kwargs)
     form = (
@@ -194,6 +195,13 @@ def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
             console.print(f"checkpoint: {trainer.checkpointer.latest()}")
 
 
+def _config_plugins(config: Any, base: Any, pm: PluginManager) -> list[Any]:
+    """Plugins a config asks for: ``[logging]`` etc. through ``unison_plugins_from_config``, then ``[[callbacks]]``."""
+    from unison.config import build_callbacks
+
+    return pm.unison_plugins_from_config(config=config) + build_callbacks(config, base)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         # Inside the try: a broken plugin is reported like any other error.
@@ -207,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         sys.exit(1)
     except UnisonError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        # escape: messages name extras like unison[tensorboard], which rich would read as markup
+        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(2)
 
 

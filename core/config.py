@@ -30,9 +30,15 @@ Factories are ``"file.py:function"`` (relative to the config file) or
     name = "CosineAnnealingLR"
     kwargs = { T_max = 200 }
 
-    [logging]
-    jsonl = "runs/tinylm/metrics.jsonl"
-    progress = true
+    [logging]                       # unison.plugins.loggers; each fit writes runs/tinylm/version_N
+    dir = "runs/tinylm"
+    jsonl = true
+    csv = true
+    tensorboard = true
+
+    [[callbacks]]                   # any plugin object: factory + kwargs, like [model]
+    factory = "unison.plugins.callbacks:EarlyStopping"
+    kwargs = { monitor = "val/loss", patience = 3 }
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import importlib.util
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import pydantic
 import torch
@@ -80,11 +86,50 @@ class ClassConfig(_Strict):
     """Constructor keyword arguments."""
 
 
+class MLflowConfig(_Strict):
+    tracking_uri: str | None = None
+    """Tracking server or store (``http://127.0.0.1:5000``, ``sqlite:///mlflow.db``); ``None``: MLflow's default."""
+    experiment: str = "unison"
+    """Experiment name (created when missing)."""
+    run_name: str | None = None
+    """MLflow run name; ``None``: the run directory's version (``tinylm/version_3``) or MLflow's own."""
+    tags: dict[str, str] = {}
+    """Extra tags on every run."""
+
+
+class WandbConfig(_Strict):
+    project: str = "unison"
+    """W&B project."""
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """``offline`` writes files only (``wandb sync`` uploads them later)."""
+    entity: str | None = None
+    """W&B entity (team or user)."""
+    tags: list[str] = []
+    """Tags on every run."""
+
+
 class LoggingConfig(_Strict):
-    jsonl: str | None = None
-    """Path of a JSONL metrics file (relative to the working directory)."""
-    progress: bool = True
-    """Show a progress display on rank 0."""
+    """Metric loggers; each fit writes into a new ``dir/version_N`` (see ``unison.plugins.loggers``)."""
+
+    dir: str | None = None
+    """Run directory root, relative to the working directory; each fit gets ``dir/version_N``."""
+    jsonl: bool = False
+    """Write ``version_N/metrics.jsonl`` (one JSON object per logging call)."""
+    csv: bool = False
+    """Write ``version_N/metrics.csv`` (one row per step)."""
+    tensorboard: bool = False
+    """Write TensorBoard event files into ``version_N/tensorboard`` (needs ``unison[tensorboard]``)."""
+    mlflow: MLflowConfig | None = None
+    """Log each fit as an MLflow run (a ``[logging.mlflow]`` table enables it; needs ``unison[mlflow]``)."""
+    wandb: WandbConfig | None = None
+    """Log each fit as a W&B run, offline by default (``[logging.wandb]``; needs ``unison[wandb]``)."""
+
+    @pydantic.model_validator(mode="after")
+    def _file_loggers_need_dir(self) -> "LoggingConfig":
+        enabled = [n for n in ("jsonl", "csv", "tensorboard") if getattr(self, n)] + (["wandb"] if self.wandb else [])
+        if enabled and self.dir is None:
+            raise ValueError(f"{', '.join(enabled)} write into a run directory: set dir (e.g. dir = \"runs/NAME\")")
+        return self
 
 
 class RunConfig(_Strict):
@@ -104,6 +149,8 @@ class RunConfig(_Strict):
     optimizer: ClassConfig = ClassConfig(name="AdamW", kwargs={"lr": 1e-3})
     scheduler: ClassConfig | None = None
     logging: LoggingConfig = LoggingConfig()
+    callbacks: list[FactoryConfig] = []
+    """Plugins to register (built-in or third-party callbacks): ``factory(**kwargs)`` each."""
 
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[RunConfig, Path]:
@@ -146,6 +193,18 @@ def resolve_factory(spec: str, base: Path) -> Callable[..., Any]:
         return getattr(module, attr)
     except AttributeError:
         raise ConfigurationError("factory", f"{target} has no {attr!r}", "check the name after ':'") from None
+
+
+def build_callbacks(config: RunConfig, base: Path) -> list[Any]:
+    """The ``[[callbacks]]`` of a config: each ``factory(**kwargs)``, bad arguments named by their index."""
+    plugins = []
+    for i, spec in enumerate(config.callbacks):
+        factory = resolve_factory(spec.factory, base)
+        try:
+            plugins.append(factory(**spec.kwargs))
+        except TypeError as exc:
+            raise ConfigurationError(f"callbacks[{i}] ({spec.factory})", str(exc), "check its kwargs") from None
+    return plugins
 
 
 def optimizer_factory(config: ClassConfig) -> Callable[[Any], torch.optim.Optimizer]:

@@ -18,6 +18,7 @@ order); ``each optimizer step:`` repeats its indented block once per optimizer
 step. ``tests/test_hook_order.py`` checks a real run against this block, and
 README.md's "Hooks" section repeats it::
 
+    (unison_default_plugins, unison_on_trainer_init)   # once, in Trainer(...)
     unison_on_fit_start
     [unison_on_load_checkpoint]                  resuming (ckpt_path given)
     each optimizer step:
@@ -96,8 +97,8 @@ def unison_precisions() -> "list[PrecisionSpec]":
 def unison_add_cli_commands(cli: Any) -> None:
     """Add subcommands to the ``unison`` command line.
 
-    Called once by :func:`unison.cli.main` before parsing arguments, with the
-    root :class:`click.Group`; add commands with ``cli.add_command(...)``. The
+    Called once by :func:`unison.cli.main` before parsing arguments (in the
+    launching process, before any rank exists), with the root :class:`click.Group`; add commands with ``cli.add_command(...)``. The
     conformance suite adds ``unison conformance`` this way, so the core never
     imports it. Return value ignored.
     """
@@ -107,7 +108,8 @@ def unison_add_cli_commands(cli: Any) -> None:
 def unison_plugins_from_config(config: Any) -> "list[Any]":
     """Build plugins (loggers, callbacks) that a config file asks for.
 
-    Called by ``unison train`` once per process, after the config file was
+    Called by ``unison train`` once per process (every rank, and the launcher
+    to check the config before it starts workers), after the config file was
     validated and before the Trainer is built, with the
     :class:`~unison.config.RunConfig`. The JSONL logger and the progress
     display read ``config.logging`` this way, so the core never imports them.
@@ -243,7 +245,7 @@ def unison_on_validation_end(trainer: "Trainer", step: int, metrics: "dict[str, 
     """After the validation loop, on every rank.
 
     Called by :meth:`Trainer.validate`, before the metrics go to
-    ``unison_log_metrics``.
+    ``unison_log_metrics``; ``step`` is the number of optimizer steps completed.
 
     ``metrics["val/loss"]`` is the mean loss over the whole validation set,
     reduced across ranks (the same value on every rank and every backend).
@@ -277,8 +279,8 @@ def unison_on_load_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") 
     """When ``fit`` resumes, after model, optimizer and progress were restored.
 
     Called by :meth:`Trainer.fit` (given ``ckpt_path``) after
-    ``unison_on_fit_start``, on every rank, with the dict rank 0 saved (see
-    :func:`unison_on_save_checkpoint`).
+    ``unison_on_fit_start``, on every rank; ``checkpoint`` is the dict rank 0
+    saved (see :func:`unison_on_save_checkpoint`).
     """
 
 
@@ -295,4 +297,61 @@ def unison_log_metrics(trainer: "Trainer", metrics: "dict[str, float]", step: in
     reduced); loggers that write files should write on
     ``trainer.is_global_zero`` only. ``step`` is the number of optimizer steps
     completed (1-based), the x-axis of every plot.
+    """
+
+
+# --------------------------------------------------------------------------- #
+# Observability: default plugins, settings checks, validation progress.
+# --------------------------------------------------------------------------- #
+
+
+@hookspec
+def unison_default_plugins(settings: Any, plugins: "list[Any]") -> "list[Any]":
+    """Plugins every Trainer gets unless its settings turn them off.
+
+    Called by :class:`~unison.Trainer` once, in its constructor (on every
+    rank, before any process group exists), after the plugins passed as
+    ``callbacks=``/``loggers=`` were registered. This is how the Python API
+    gets a progress display (``settings.progress``) and throughput metrics
+    (``settings.throughput``) without the core importing any plugin.
+
+    Args:
+        settings: the Trainer's :class:`~unison.TrainerSettings`.
+        plugins: the plugins the Trainer was given explicitly; an
+            implementation returns nothing for a kind the user already passed
+            (their own ``ProgressBar(...)`` replaces the default one).
+
+    Returns:
+        Plugin objects to register on this Trainer (may be empty).
+    """
+
+
+@hookspec
+def unison_on_trainer_init(trainer: "Trainer") -> None:
+    """Check, before any process group exists, what a plugin needs from the settings.
+
+    Called by :class:`~unison.Trainer` once, at the end of its constructor, on
+    every rank, after every plugin (default ones included) is registered and
+    the strategy is built. ``trainer.settings`` and ``trainer.ownership`` are
+    final; there is no model, optimizer or process group yet. A plugin raises
+    :class:`~unison.ConfigurationError` here for settings it cannot work with
+    (``ModelCheckpoint`` without ``checkpoint_dir``), so bad input fails
+    before any worker starts training. Return value ignored.
+    """
+
+
+@hookspec
+def unison_validation_progress(trainer: "Trainer", step: int, batch_idx: int, num_batches: "int | None") -> None:
+    """After each validation forward, for progress displays.
+
+    Called by :meth:`Trainer.validate` on every rank, after batch
+    ``batch_idx`` (0-based) of the validation loop that follows optimizer step
+    ``step``, between :func:`unison_on_validation_start` and
+    :func:`unison_on_validation_end`. ``num_batches`` is the number of
+    forwards this rank runs in the loop (``None`` when the dataset does not
+    say). ``val_batch_size`` counts samples per replica, so the number of
+    calls depends on the data-parallel size: this hook is a progress report,
+    not part of the lifecycle sequence that is identical on every backend
+    (hence no ``on_`` in its name). Must not do collective work. Return value
+    ignored.
     """

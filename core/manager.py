@@ -271,3 +271,13 @@ class PluginManager:
 
     def unison_log_metrics(self, *, trainer: Trainer, metrics: dict[str, float], step: int) -> None:
         self._pm.hook.unison_log_metrics(trainer=trainer, metrics=metrics, step=step)
+
+    def unison_default_plugins(self, *, settings: Any, plugins: list[Any]) -> list[Any]:
+        """The default plugins every implementation returned, flattened into one list."""
+        return [p for ps in self._pm.hook.unison_default_plugins(settings=settings, plugins=plugins) for p in ps or []]
+
+    def unison_on_trainer_init(self, *, trainer: Trainer) -> None:
+        self._pm.hook.unison_on_trainer_init(trainer=trainer)
+
+    def unison_validation_progress(self, *, trainer: Trainer, step: int, batch_idx: int, num_batches: int | None) -> None:
+        self._pm.hook.unison_validation_progress(trainer=trainer, step=step, batch_idx=batch_idx, num_batches=num_batches)

@@ -386,7 +386,11 @@ class Trainer:
             raise ConfigurationError("max_consecutive_skips", f"got {max_consecutive_skips!r}", "pass an int >= 1")
         self.nonfinite, self.max_consecutive_skips = nonfinite, max_consecutive_skips
         self.pm = plugin_manager or PluginManager()
-        for plugin in [*callbacks, *loggers]:
+        explicit = [*callbacks, *loggers]
+        for plugin in explicit:
+            self.pm.register(plugin)
+        # Progress display and throughput come from plugins, so the core never imports them.
+        for plugin in self.pm.unison_default_plugins(settings=self.settings, plugins=explicit):
             self.pm.register(plugin)
         self.pm.check_pending()
         _, world_size, _ = world_from_env()
@@ -417,6 +421,7 @@ class Trainer:
         self.training_step: TrainingStep | None = None
         #: Metrics of the most recent validation loop, or ``None``.
         self.last_validation: dict[str, float] | None = None
+        self.pm.unison_on_trainer_init(trainer=self)
 
     # -- properties -------------------------------------------------------- #
     @property
@@ -806,8 +811,11 @@ class Trainer:
         was_training = model.training
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
-        for batch, weight in validation_stream(source, collate, self.settings.val_batch_size, self.data.replicas,
-                                               self.data.rank, options, self.settings.seed):
+        per_forward = self.settings.val_batch_size * self.data.replicas
+        num_batches = -(-len(source) // per_forward) if is_map_style(source) else None  # for progress displays
+        for i, (batch, weight) in enumerate(validation_stream(source, collate, self.settings.val_batch_size,
+                                                              self.data.replicas, self.data.rank, options,
+                                                              self.settings.seed)):
             batch = self.strategy.to_device(batch)
             with self.precision.forward_context():
                 if self.training_step is not None:
@@ -817,6 +825,7 @@ class Trainer:
                     loss = self.strategy.eval_loss(self.precision.convert_input(inputs), targets, self.loss_fn)
             total += torch.stack([loss.detach().double() * weight, torch.tensor(float(weight), dtype=torch.float64,
                                                                                  device=total.device)])
+            self.pm.unison_validation_progress(trainer=self, step=step, batch_idx=i, num_batches=num_batches)
         model.train(was_training)
         total = self.strategy.reduce_sum(total)
         metrics = {"val/loss": float(total[0] / total[1])}
