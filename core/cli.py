@@ -120,7 +120,7 @@ def describe(name: str) -> None:
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--nproc", type=int, default=1, show_default=True, help="Processes on this node.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Processes on this node.")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(nproc: int, args: tuple[str, ...]) -> None:
     """Run a training script under torchrun: ``unison run --nproc 2 train.py --lr 1e-3``.
@@ -140,11 +140,11 @@ def run(nproc: int, args: tuple[str, ...]) -> None:
 @cli.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 @click.option("--strategy", default=None, help="Override [trainer] strategy.")
-@click.option("--nproc", type=int, default=1, show_default=True, help="Processes on this node.")
-@click.option("--max-steps", type=int, default=None, help="Override [trainer] max_steps.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Processes on this node.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Override [trainer] max_steps.")
 def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) -> None:
     """Train from a TOML or YAML CONFIG (see unison.config for the layout)."""
-    from unison.config import load_config
+    from unison.config import load_config, resolve_run
     from unison.trainer import build_strategy
 
     overrides: dict[str, Any] = {}
@@ -157,6 +157,7 @@ def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) 
         # Validate before any worker or process group starts, then relaunch.
         pm = PluginManager()
         build_strategy(run_config.trainer, pm, nproc)
+        resolve_run(run_config, base)  # every factory, file and keyword
         _config_plugins(run_config, base, pm)  # loggers and callbacks: constructing them checks their options
         # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
         argv = ["train", config, *(["--strategy", strategy] if strategy else []),
@@ -166,24 +167,20 @@ def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) 
 
 
 def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
-    from unison.config import load_config, optimizer_factory, resolve_factory, scheduler_factory
+    from unison.config import load_config, resolve_run
     from unison.trainer import Trainer
 
     config, base = load_config(config_path, overrides)
+    run = resolve_run(config, base)
     pm = PluginManager()
     trainer = Trainer(plugin_manager=pm, callbacks=_config_plugins(config, base, pm), **config.trainer.model_dump())
-    build_model = resolve_factory(config.model.factory, base)
-    train_ds, val_ds = resolve_factory(config.data.factory, base)(**config.data.kwargs)
-    form = (
-        {"loss_fn": resolve_factory(config.loss.factory, base)} if config.loss is not None
-        else {"training_step": resolve_factory(config.training_step.factory, base)}  # type: ignore[union-attr]
-    )
+    train_ds, val_ds = run["data"](**config.data.kwargs)
     progress = trainer.fit(
         # A factory: the trainer seeds before building, so reruns and ranks start alike.
-        lambda: build_model(**config.model.kwargs), train_ds,
-        **form,
-        optimizer=optimizer_factory(config.optimizer),
-        lr_scheduler=scheduler_factory(config.scheduler),
+        run["model"], train_ds,
+        **run["form"],
+        optimizer=run["optimizer"],
+        lr_scheduler=run["lr_scheduler"],
         val_dataset=val_ds,
     )
     if trainer.is_global_zero:

@@ -43,8 +43,10 @@ Factories are ``"file.py:function"`` (relative to the config file) or
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
+import inspect
 import sys
 import tomllib
 from pathlib import Path
@@ -140,24 +142,36 @@ class RunConfig(_Strict):
     """The ``(inputs, targets)`` form; give this or ``[training_step]``."""
     training_step: StepConfig | None = None
     """The form for batches of any structure; give this or ``[loss]``."""
-
-    @pydantic.model_validator(mode="after")
-    def _one_form(self) -> "RunConfig":
-        if (self.loss is None) == (self.training_step is None):
-            raise ValueError("give exactly one of the [loss] and [training_step] sections")
-        return self
     optimizer: ClassConfig = ClassConfig(name="AdamW", kwargs={"lr": 1e-3})
     scheduler: ClassConfig | None = None
     logging: LoggingConfig = LoggingConfig()
     callbacks: list[FactoryConfig] = []
     """Plugins to register (built-in or third-party callbacks): ``factory(**kwargs)`` each."""
 
+    @pydantic.model_validator(mode="after")
+    def _one_form(self) -> "RunConfig":
+        if (self.loss is None) == (self.training_step is None):
+            raise ValueError("give exactly one of the [loss] and [training_step] sections")
+        return self
+
 
 def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[RunConfig, Path]:
     """Read and validate a config file; ``overrides`` replace ``[trainer]`` keys."""
     path = Path(path)
-    text = path.read_text()
-    raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigurationError(str(path), f"cannot read the config file ({exc.strerror})", "check the path") from None
+    try:
+        raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except tomllib.TOMLDecodeError as exc:
+        # tomllib's message ends with "(at line L, column C)".
+        raise ConfigurationError(str(path), f"TOML syntax error: {exc}", "fix the file at that line") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigurationError(str(path), f"YAML syntax error{where}: {getattr(exc, 'problem', exc)}",
+                                 "fix the file at that line") from None
     if not isinstance(raw, dict):
         raise ConfigurationError(str(path), "the config is not a table of sections", "see unison.config for the layout")
     if overrides:
@@ -166,33 +180,62 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tu
         return RunConfig(**raw), path.parent.resolve()
     except pydantic.ValidationError as exc:
         err = exc.errors()[0]
-        key = ".".join(str(p) for p in err["loc"])
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         fix = "remove or rename it" if err["type"] == "extra_forbidden" else "see the documented keys in unison.config"
-        raise ConfigurationError(f"config key {key} in {path}", err["msg"], fix) from None
+        got = f" (got {err['input']!r})" if err["loc"] and err["type"] != "missing" else ""
+        raise ConfigurationError(f"config key {key} in {path}", err["msg"].removeprefix("Value error, ") + got,
+                                 fix) from None
 
 
-def resolve_factory(spec: str, base: Path) -> Callable[..., Any]:
-    """``file.py:name`` (relative to ``base``) or ``module:name`` -> the object."""
+def resolve_factory(spec: str, base: Path, key: str = "factory") -> Callable[..., Any]:
+    """``file.py:name`` (relative to ``base``) or ``module:name`` -> the object; ``key`` names it in errors."""
     target, sep, attr = spec.rpartition(":")
     if not sep:
-        raise ConfigurationError("factory", f"{spec!r} has no ':name' part", "write 'file.py:function' or 'module:function'")
+        raise ConfigurationError(key, f"{spec!r} has no ':name' part", "write 'file.py:function' or 'module:function'")
     if target.endswith(".py"):
         file = (base / target).resolve()
+        if not file.is_file():
+            raise ConfigurationError(key, f"{spec!r}: no file {file}", "give the path relative to the config file")
         name = f"unison_config_{file.stem}"
         if name not in sys.modules:
             module_spec = importlib.util.spec_from_file_location(name, file)
             if module_spec is None or module_spec.loader is None:
-                raise ConfigurationError("factory", f"cannot load {file}", "check the path")
+                raise ConfigurationError(key, f"cannot load {file}", "check the path")
             module = importlib.util.module_from_spec(module_spec)
             sys.modules[name] = module
-            module_spec.loader.exec_module(module)
+            try:
+                module_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]  # a fixed file can be loaded again
+                raise
         module = sys.modules[name]
     else:
-        module = importlib.import_module(target)
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as exc:
+            raise ConfigurationError(key, f"{spec!r}: no module {exc.name!r}", "check the module name, or install it") from None
     try:
         return getattr(module, attr)
     except AttributeError:
-        raise ConfigurationError("factory", f"{target} has no {attr!r}", "check the name after ':'") from None
+        close = difflib.get_close_matches(attr, [n for n in dir(module) if not n.startswith("_")], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigurationError(key, f"{target} has no {attr!r}{hint}", "check the name after ':'") from None
+
+
+def check_kwargs(factory: Callable[..., Any], kwargs: dict[str, Any], key: str) -> None:
+    """Refuse keyword arguments ``factory`` does not take, naming the config key and the valid ones."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        params = [n for n, p in signature.parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        unknown = [k for k in kwargs if k not in signature.parameters]
+        close = difflib.get_close_matches(unknown[0], params, n=1) if unknown else []
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigurationError(key, f"{exc}{hint}", f"use the factory's keywords: {', '.join(params) or 'none'}") from None
 
 
 def build_callbacks(config: RunConfig, base: Path) -> list[Any]:
@@ -223,3 +266,37 @@ def scheduler_factory(config: ClassConfig | None) -> Callable[[Any], Any] | None
             "scheduler.name", f"torch.optim.lr_scheduler has no {config.name!r}", "use e.g. 'CosineAnnealingLR'"
         )
     return lambda optimizer: cls(optimizer, **config.kwargs)
+
+
+def resolve_run(config: RunConfig, base: Path) -> dict[str, Any]:
+    """Every factory a config names, resolved and checked against its kwargs (nothing is built yet).
+
+    Returns the pieces ``unison train`` hands to ``fit``; a missing file or
+    name, or a keyword the factory does not take, is a ConfigurationError
+    naming the config key (so it fails before any worker starts).
+    """
+    model = resolve_factory(config.model.factory, base, "model.factory")
+    check_kwargs(model, config.model.kwargs, "model.kwargs")
+    data = resolve_factory(config.data.factory, base, "data.factory")
+    check_kwargs(data, config.data.kwargs, "data.kwargs")
+    if config.loss is not None:
+        form = {"loss_fn": resolve_factory(config.loss.factory, base, "loss.factory")}
+    else:
+        assert config.training_step is not None
+        form = {"training_step": resolve_factory(config.training_step.factory, base, "training_step.factory")}
+    def build_model() -> Any:
+        try:
+            return model(**config.model.kwargs)
+        except TypeError as exc:
+            # A factory taking **kwargs is checked only when called.
+            if "keyword argument" not in str(exc) and "required positional" not in str(exc):
+                raise
+            raise ConfigurationError("model.kwargs", str(exc), "use the keywords the model factory takes") from None
+
+    return {
+        "model": build_model,
+        "data": data,
+        "form": form,
+        "optimizer": optimizer_factory(config.optimizer),
+        "lr_scheduler": scheduler_factory(config.scheduler),
+    }

@@ -18,7 +18,6 @@ order); ``each optimizer step:`` repeats its indented block once per optimizer
 step. ``tests/test_hook_order.py`` checks a real run against this block, and
 README.md's "Hooks" section repeats it::
 
-    (unison_default_plugins, unison_on_trainer_init)   # once, in Trainer(...)
     unison_on_fit_start
     [unison_on_load_checkpoint]                  resuming (ckpt_path given)
     each optimizer step:
@@ -39,10 +38,21 @@ README.md's "Hooks" section repeats it::
     [unison_log_metrics]                         trainer.log() values not yet sent
     unison_on_fit_end
 
+Outside this order: ``unison_default_plugins`` and ``unison_on_trainer_init``
+run once, in ``Trainer(...)``; ``unison_validation_progress`` ticks after each
+validation batch between ``unison_on_validation_start`` and
+``unison_on_validation_end`` (its count depends on the data-parallel size, so
+it is not part of the order every backend shares).
+
 A plugin that sets ``trainer.should_stop`` ends the loop after the current
 step's validation and checkpoint; the final validation and checkpoint then do
-not run again for that step. When ``fit`` fails, ``unison_on_exception`` fires
-instead of the rest, on the failing rank.
+not run again for that step. The flag may be set on any subset of ranks (a
+per-rank wall-clock limit sets it on one): at every step boundary the trainer
+combines every rank's flag (logical OR, on a CPU process group), so all ranks
+stop after the same step. Stop decisions the trainer makes itself (a
+non-finite loss or gradient, preemption) are agreed the same way or computed
+from values identical on every rank. When ``fit`` fails, ``unison_on_exception``
+fires instead of the rest, on the failing rank.
 """
 
 from __future__ import annotations
@@ -81,10 +91,11 @@ def unison_strategies() -> "list[StrategySpec]":
 
 @hookspec
 def unison_precisions() -> "list[PrecisionSpec]":
-    """Register precision plugins by name (``"bf16-mixed"``, ``"apex-O1"``...).
+    """Register precision plugins by name (``"bf16-mixed"``, a third party's...).
 
     Called by :class:`~unison.manager.PluginManager` like
-    :func:`unison_strategies`, for its precision registry. The trainer uses a
+    :func:`unison_strategies` (on any rank, before any process group, once
+    per registering plugin), for its precision registry. The trainer uses a
     registered precision only when the strategy declares the precision
     applied by the trainer or a plugin.
 
@@ -221,7 +232,7 @@ def unison_on_train_step_end(trainer: "Trainer", step: int, output: "StepOutput"
     ``output`` holds the global-batch mean loss, each micro-batch's loss (the
     same numbers on every rank), the grad norm, the learning rates and whether
     the step was skipped. A plugin may set ``trainer.should_stop = True`` here
-    to end training after this step.
+    (on one rank or on all) to end training after this step on every rank.
     """
 
 

@@ -136,7 +136,7 @@ class StrategyRegistry:
             )
         merged = {**preset, **(options or {})}
         try:
-            validated = spec.options(**merged)
+            validated = spec.options.model_validate(merged, strict=True)
         except pydantic.ValidationError as exc:
             details = "; ".join(
                 f"{'.'.join(str(p) for p in err['loc']) or '(options)'}: {err['msg']}" for err in exc.errors()
