@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -219,3 +220,35 @@ def test_property_invalid_config_files_are_refused(tmp_path):
         cfg.write_text(text.replace(old, new))
         with pytest.raises(unison.ConfigurationError, match="config key"):
             load_config(cfg)
+
+
+def test_every_strategy_that_runs_on_one_process_runs_without_a_launcher(tmp_path):
+    """The README's promise: one process, no torchrun, for every strategy whose world sizes include 1."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "one_process.py"
+    script.write_text(
+        "import os, torch, unison\n"
+        "from unison.manager import PluginManager\n"
+        "import sys; sys.path.insert(0, %r)\n"
+        "from helpers import mlp, regression_data\n"
+        "pm = PluginManager()\n"
+        "ran = []\n"
+        "for spec in pm.strategies.specs():\n"
+        "    own = pm.strategies.create(spec.name).ownership if not spec.unavailable else None\n"
+        "    if own is None or own.world_sizes.minimum > 1:\n"
+        "        continue\n"
+        "    t = unison.Trainer(strategy=spec.name, global_batch_size=8, max_steps=2, progress='off')\n"
+        "    t.fit(mlp(), regression_data(n=16), loss_fn=torch.nn.functional.mse_loss,\n"
+        "          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))\n"
+        "    assert t.progress.global_step == 2 and not torch.distributed.is_initialized()\n"
+        "    ran.append(spec.name)\n"
+        "print('RAN', ' '.join(ran))\n" % str(Path(__file__).parent)
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                         env={**env, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    ran = out.stdout.split("RAN", 1)[1].split()
+    assert {"single", "ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3", "torch_zero"} <= set(ran), ran

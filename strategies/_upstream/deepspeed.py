@@ -12,6 +12,10 @@ ZeRO-3 (``deepspeed.runtime.zero.stage3`` / ``partition_parameters``)
     :func:`fp32_partitions`, :func:`is_partitioned`, :func:`local_partition`,
     :func:`partition_group`, :func:`kept_whole`: the attributes ZeRO-3 puts on parameters.
 
+Process-group caches (``deepspeed.utils.groups``)
+    :func:`forget_process_groups`: DeepSpeed caches the groups it clones from
+    the world; a later run in the same process, on a new world, must not reuse them.
+
 Public DeepSpeed APIs (``deepspeed.initialize``, ``deepspeed.utils.safe_get_full_*``,
 ``engine.backward/step/save_checkpoint``...) are used directly by the strategies.
 """
@@ -177,7 +181,22 @@ def kept_whole(param: torch.Tensor) -> bool:
     return bool(getattr(param, "ds_persist", False))
 
 
+def forget_process_groups() -> None:
+    """Drop DeepSpeed's cached process groups (as ``deepspeed.comm.destroy_process_group`` does).
+
+    unison's trainer destroys the world it created with ``torch.distributed``;
+    DeepSpeed only clears its module-level group cache when the world is
+    destroyed through ``deepspeed.comm``, so a second run in the same process
+    would hand ZeRO a group of the destroyed world. DeepSpeed rebuilds the
+    cache on the next ``deepspeed.initialize``.
+    """
+    from deepspeed.utils import groups
+
+    groups._release_process_group_references(group=None)
+
+
 __all__ = [
+    "forget_process_groups",
     "VERIFIED_VERSION",
     "Fragment",
     "fp32_partitions",

@@ -39,6 +39,7 @@ placeholders; ``Trainer.full_state_dict()`` is the way to the weights.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,9 @@ class DeepSpeedStrategy(Strategy):
         env = self.env
         assert env is not None
         deepspeed = ds.import_deepspeed(env.device)
+        # DeepSpeed reads LOCAL_RANK from the environment even when the process
+        # group exists; a run without a launcher has none (the trainer's world of 1).
+        os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
         self.ds_config = self.build_config(settings, env.world_size)
         self._dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision.name, torch.float32)
         module = module.to(env.device)
@@ -386,6 +390,7 @@ class DeepSpeedStrategy(Strategy):
     def teardown(self) -> None:
         if self.engine is not None:
             self.engine.destroy()
+            ds.forget_process_groups()
         self.engine = None
         self.canonical = None
         self.model = self.optimizer = None

@@ -41,7 +41,11 @@ from unison.ownership import (
     PrecisionSupport,
 )
 from unison.precision import Precision
-from unison.strategies._upstream.deepspeed import import_deepspeed, run_train_schedule_without_step
+from unison.strategies._upstream.deepspeed import (
+    forget_process_groups,
+    import_deepspeed,
+    run_train_schedule_without_step,
+)
 from unison.strategies.pipeline.base import PIPELINE_REFUSALS, PIPELINE_STATE, StagedStrategy, pipeline_world_sizes
 from unison.strategies.pipeline.layout import ChunkLayout, check_model
 from unison.strategies.pipeline.p2p import as_tensor
@@ -185,6 +189,8 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
 
     def teardown(self) -> None:
         super().teardown()
+        if self.engine is not None:
+            forget_process_groups()  # the pipeline engine cloned the world's groups too
         self.engine = None
 
 
