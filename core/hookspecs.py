@@ -66,7 +66,7 @@ def unison_strategies() -> "list[StrategySpec]":
 
 @hookspec
 def unison_precisions() -> "list[PrecisionSpec]":
-    """Register precision plugins by name (``"bf16-mixed"``, ``"apex-O1"``...).
+    """Register precision plugins by name (``"bf16-mixed"``, or a third party's own name).
 
     Called by :class:`~unison.registry.PrecisionRegistry` when it is first
     built, once per plugin. The trainer uses a registered precision only when
