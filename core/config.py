@@ -22,7 +22,7 @@ Factories are ``"file.py:function"`` (relative to the config file) or
     # [training_step]
     # factory = "hf_causal_lm.py:training_step"
 
-    [optimizer]                     # a torch.optim class
+    [optimizer]                     # a torch.optim class, "apex.FusedAdam", or "package.module:Class"
     name = "AdamW"
     kwargs = { lr = 3e-3 }
 
@@ -83,7 +83,8 @@ class StepConfig(_Strict):
 
 class ClassConfig(_Strict):
     name: str
-    """Class name in ``torch.optim`` (optimizer) or ``torch.optim.lr_scheduler`` (scheduler)."""
+    """Optimizer: a ``torch.optim`` class, ``apex.NAME`` (apex's fused optimizers) or ``package.module:Class``;
+    scheduler: a ``torch.optim.lr_scheduler`` class."""
     kwargs: dict[str, Any] = {}
     """Constructor keyword arguments."""
 
@@ -250,11 +251,70 @@ def build_callbacks(config: RunConfig, base: Path) -> list[Any]:
     return plugins
 
 
+#: Why ``apex.*`` optimizer names fail on a machine without NVIDIA apex.
+APEX_NOT_INSTALLED = "NVIDIA apex is not installed (the PyPI package named apex is unrelated)"
+
+
 def optimizer_factory(config: ClassConfig) -> Callable[[Any], torch.optim.Optimizer]:
-    cls = getattr(torch.optim, config.name, None)
-    if cls is None:
-        raise ConfigurationError("optimizer.name", f"torch.optim has no {config.name!r}", "use e.g. 'AdamW' or 'SGD'")
+    """The ``[optimizer]`` section as a factory ``params -> Optimizer``.
+
+    ``name`` is one of
+
+    * a class of ``torch.optim`` (``"AdamW"``);
+    * ``"apex.NAME"``: NVIDIA apex's fused optimizer ``apex.optimizers.NAME``
+      (``"apex.FusedAdam"``, ``"apex.FusedLAMB"``); apex is imported here, and a
+      missing apex is a :class:`ConfigurationError` (its fused kernels are
+      CUDA-only: apex itself raises when they are not built);
+    * ``"package.module:Class"``: any importable ``torch.optim.Optimizer`` subclass.
+    """
+    cls = _optimizer_class(config.name)
     return lambda params: cls(params, **config.kwargs)
+
+
+def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    option = "optimizer.name"
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigurationError(option, f"cannot import {name!r} ({type(exc).__name__}: {exc})",
+                                     "write 'package.module:Class' naming an importable optimizer class") from None
+    elif name.startswith("apex."):
+        cls = _apex_optimizer(name.removeprefix("apex."))
+    else:
+        cls = getattr(torch.optim, name, None)
+        if cls is None:
+            raise ConfigurationError(option, f"torch.optim has no {name!r}",
+                                     "use e.g. 'AdamW' or 'SGD', 'apex.FusedAdam', or 'package.module:Class'")
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ConfigurationError(option, f"{name!r} is not a torch.optim.Optimizer subclass",
+                                 "name an optimizer class")
+    return cls
+
+
+def _apex_optimizer(attr: str) -> Any:
+    """``apex.optimizers.<attr>``, or a ConfigurationError saying what is missing."""
+    option, fix = "optimizer.name", (
+        "build NVIDIA apex from https://github.com/NVIDIA/apex with its CUDA extensions, or use a torch.optim name "
+        "such as 'AdamW'"
+    )
+    try:
+        installed = importlib.util.find_spec("apex") is not None
+    except (ImportError, ValueError):
+        installed = False
+    if not installed:
+        raise ConfigurationError(option, f"'apex.{attr}' needs NVIDIA apex: {APEX_NOT_INSTALLED}", fix)
+    try:
+        module = importlib.import_module("apex.optimizers")
+    except Exception as exc:  # a partial build can raise more than ImportError
+        problem = f"'apex.optimizers' fails to import ({type(exc).__name__}: {exc})"
+        raise ConfigurationError(option, problem, fix) from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        known = sorted(n for n in dir(module) if n.startswith("Fused"))
+        raise ConfigurationError(option, f"apex.optimizers has no {attr!r}", f"use one of {known}")
+    return cls
 
 
 def scheduler_factory(config: ClassConfig | None) -> Callable[[Any], Any] | None:

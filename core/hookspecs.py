@@ -91,7 +91,7 @@ def unison_strategies() -> "list[StrategySpec]":
 
 @hookspec
 def unison_precisions() -> "list[PrecisionSpec]":
-    """Register precision plugins by name (``"bf16-mixed"``, a third party's...).
+    """Register precision plugins by name (``"bf16-mixed"``, or a third party's own name).
 
     Called by :class:`~unison.manager.PluginManager` like
     :func:`unison_strategies` (on any rank, before any process group, once

@@ -49,7 +49,7 @@ class PrecisionOwner(str, enum.Enum):
     TRAINER = "trainer"  #: the trainer's precision plugin (autocast, GradScaler, casts)
     ENGINE = "engine"  #: the engine's own config (DeepSpeed ``bf16``/``fp16``)
     SHARDING_POLICY = "sharding-policy"  #: a sharding wrapper's policy (FSDP MixedPrecision)
-    PLUGIN = "plugin"  #: a third-party precision plugin (apex)
+    PLUGIN = "plugin"  #: a third-party precision plugin, registered by name through ``unison_precisions``
     UNSUPPORTED = "unsupported"  #: refused before training, with a reason
 
 

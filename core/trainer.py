@@ -264,8 +264,8 @@ def _build_model(model: Any, seed: int) -> torch.nn.Module:
     return built
 
 
-def _probe_optimizer(optimizer: Any, lr_scheduler: Any, model: torch.nn.Module) -> None:
-    """Call the factories once on the real parameters and check what they return."""
+def _probe_optimizer(optimizer: Any, lr_scheduler: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Call the factories once on the real parameters, check what they return; return the probe optimizer."""
     _check_callable(optimizer, "optimizer", "optimizer(params)", "lambda params: torch.optim.AdamW(params, lr=1e-3)", 1)
     if isinstance(optimizer, torch.optim.Optimizer):  # pragma: no cover - caught by the callable check above
         raise ConfigurationError("optimizer", "got an Optimizer instance", "pass a factory: lambda params: ...")
@@ -275,6 +275,7 @@ def _probe_optimizer(optimizer: Any, lr_scheduler: Any, model: torch.nn.Module) 
         _check_callable(lr_scheduler, "lr_scheduler", "lr_scheduler(optimizer)",
                         "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)", 1)
         _check_scheduler(lr_scheduler(opt))
+    return opt
 
 
 def _checked_optimizer(factory: OptimizerArg, params: Any) -> torch.optim.Optimizer:
@@ -546,7 +547,7 @@ class Trainer:
         # strategy's own check, which may be narrower than the feature (a
         # pipeline refuses weights tied *across stages*); the declaration says so.
         self.strategy.validate_model(model, s)
-        _probe_optimizer(optimizer, lr_scheduler, model)
+        self.strategy.validate_optimizer(_probe_optimizer(optimizer, lr_scheduler, model), s)
         dp_size = self.strategy.data_parallel_size(world_size)
         data = TrainData(train_dataset, collate_fn, s, data_parallel_size=dp_size,
                          data_parallel_rank=self.strategy.data_parallel_rank(rank, world_size),
