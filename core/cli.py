@@ -3,7 +3,8 @@
 * ``unison strategies`` – every registered strategy, available or not (with why).
 * ``unison describe NAME`` – the strategy's ownership declaration.
 * ``unison run --nproc N [TORCHRUN_OPTION=VALUE ...] script.py [ARGS]`` – torchrun.
-* ``unison train CONFIG [--strategy NAME] [--nproc N]`` – train from a config file.
+* ``unison train CONFIG [--strategy NAME] [--nproc N] [--resume auto|PATH]`` – train from a config file.
+* ``unison checkpoint inspect|verify|export PATH`` – see :mod:`unison.checkpoint_cli`.
 
 Plugins add more commands through ``unison_add_cli_commands``
 (``unison conformance`` comes from the conformance suite that way).
@@ -19,6 +20,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from unison.checkpoint_cli import checkpoint as checkpoint_commands
 from unison.errors import UnisonError
 from unison.launch import run_script
 from unison.manager import PluginManager
@@ -102,8 +104,17 @@ def run(nproc: int, args: tuple[str, ...]) -> None:
 @click.option("--strategy", default=None, help="Override [trainer] strategy.")
 @click.option("--nproc", type=int, default=1, show_default=True, help="Processes on this node.")
 @click.option("--max-steps", type=int, default=None, help="Override [trainer] max_steps.")
-def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) -> None:
+@click.option("--resume", default=None, metavar="auto|PATH",
+              help="Resume: 'auto' = the newest committed checkpoint in checkpoint_dir, or a fresh start if none; "
+                   "or a checkpoint directory.")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="Restart all workers this many times when one fails (needs --resume auto).")
+def train(config: str, strategy: str | None, nproc: int, max_steps: int | None, resume: str | None,
+          max_restarts: int) -> None:
     """Train from a TOML or YAML CONFIG (see unison.config for the layout)."""
+    if max_restarts and resume != "auto":
+        # A restarted world must continue from its last checkpoint, not refuse its own directory.
+        raise click.UsageError("--max-restarts needs --resume auto")
     from unison.config import load_config
     from unison.trainer import build_strategy
 
@@ -113,17 +124,18 @@ def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) 
     if max_steps is not None:
         overrides["max_steps"] = max_steps
     run_config, _ = load_config(config, overrides)
-    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+    if (nproc > 1 or max_restarts) and "LOCAL_RANK" not in os.environ:
         # Validate before any worker or process group starts, then relaunch.
         build_strategy(run_config.trainer, PluginManager(), nproc)
         # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
         argv = ["train", config, *(["--strategy", strategy] if strategy else []),
-                *(["--max-steps", str(max_steps)] if max_steps is not None else [])]
-        sys.exit(run_script("unison.cli", nproc, argv, ["--module"]))
-    _train_here(config, overrides)
+                *(["--max-steps", str(max_steps)] if max_steps is not None else []),
+                *(["--resume", resume] if resume is not None else [])]
+        sys.exit(run_script("unison.cli", nproc, argv, ["--module", f"--max-restarts={max_restarts}"]))
+    _train_here(config, overrides, resume)
 
 
-def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
+def _train_here(config_path: str, overrides: dict[str, Any], resume: str | None = None) -> None:
     from unison.config import load_config, optimizer_factory, resolve_factory, scheduler_factory
     from unison.trainer import Trainer
 
@@ -139,6 +151,7 @@ def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
         optimizer=optimizer_factory(config.optimizer),
         lr_scheduler=scheduler_factory(config.scheduler),
         val_dataset=val_ds,
+        ckpt_path=resume,
     )
     if trainer.is_global_zero:
         last = progress.history[-1] if progress.history else None
@@ -147,6 +160,9 @@ def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
             console.print(f"final validation loss: {trainer.last_validation['val/loss']:.4f}")
         if trainer.checkpointer is not None and trainer.checkpointer.latest() is not None:
             console.print(f"checkpoint: {trainer.checkpointer.latest()}")
+
+
+cli.add_command(checkpoint_commands)
 
 
 def main(argv: list[str] | None = None) -> None:

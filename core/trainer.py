@@ -12,7 +12,6 @@ behaves differently per backend read :attr:`Strategy.ownership`:
 from __future__ import annotations
 
 import contextlib
-import datetime
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ from torch.utils.data import Dataset
 from unison.checkpoint import Checkpointer
 from unison.data import BatchPlan, collate, validation_batches
 from unison.errors import ConfigurationError
+from unison.lifecycle import RunGuard, init_process_group
 from unison.manager import PluginManager
 from unison.ownership import AccumulationOwner, PrecisionOwner
 from unison.precision import DelegatedPrecision, Precision
@@ -235,7 +235,7 @@ class Trainer:
             rank, world_size = dist.get_rank(), dist.get_world_size()
         elif backend is not None:
             if "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+                init_process_group(backend)  # rendezvous fails in minutes, not the 10-minute default
             else:
                 # A distributed strategy on one process without a launcher: a
                 # real, private world of 1 (no network rendezvous needed).
@@ -272,7 +272,17 @@ class Trainer:
                 parameters it trains, or parameter groups).
             lr_scheduler: ``optimizer -> scheduler``; stepped once per
                 optimizer step that was not skipped.
-            ckpt_path: ``"last"`` or a checkpoint directory to resume from.
+            ckpt_path: where to resume from. ``"auto"``: the newest committed
+                checkpoint in ``checkpoint_dir`` that verifies, or a fresh
+                start when there is none (write a job once, restart it blindly).
+                ``"last"``: the newest committed one, which must exist and
+                verify. A path: that checkpoint. ``None``: start fresh, which
+                ``checkpoint_dir`` must allow (it holds no other run's
+                checkpoints).
+
+        On SIGTERM or SIGUSR1 every rank finishes the current optimizer step,
+        a checkpoint is committed (with ``checkpoint_dir``) and ``fit`` raises
+        :class:`unison.lifecycle.Preempted`, a ``SystemExit`` with code 75.
         """
         s = self.settings
         _, world_size, _ = _world_from_env()
@@ -280,13 +290,18 @@ class Trainer:
         self.strategy.validate_model(model, s)
         # Fails on a too-small dataset before any process group starts.
         self._batch_plan(len(train_dataset), rank=0, world_size=world_size)
-        if ckpt_path is not None and str(ckpt_path) == "last" and self.checkpointer is None:
-            raise ConfigurationError("ckpt_path", "'last' needs a checkpoint_dir", "set checkpoint_dir or pass a path")
+        if ckpt_path is not None and str(ckpt_path) in ("last", "auto") and self.checkpointer is None:
+            raise ConfigurationError("ckpt_path", f"{str(ckpt_path)!r} needs a checkpoint_dir",
+                                     "set checkpoint_dir or pass a path")
+        if self.checkpointer is not None:
+            self.checkpointer.claim(ckpt_path)  # never write into another run's checkpoints
 
         self.env = self._setup_environment()
         self._final_state = None
+        self._guard = RunGuard()
         try:
-            self._fit(model, train_dataset, loss_fn, optimizer, lr_scheduler, val_dataset, ckpt_path)
+            with self._guard:  # SIGTERM/SIGUSR1 -> stop at a step boundary; first error to torchrun
+                self._fit(model, train_dataset, loss_fn, optimizer, lr_scheduler, val_dataset, ckpt_path)
         except BaseException as exc:
             self.pm.hook.unison_on_exception(trainer=self, exception=exc)
             raise
@@ -349,12 +364,13 @@ class Trainer:
                 self.validate(val_dataset)
             if self.checkpointer and s.checkpoint_every_n_steps and done % s.checkpoint_every_n_steps == 0 and done != s.max_steps:
                 self.save_checkpoint()
+            self._guard.stop_if_requested(self)  # collective: commit a checkpoint and raise Preempted
             if self.should_stop:
                 break
         if val_dataset is not None:
             self.validate(val_dataset)
-        if self.checkpointer is not None:
-            self.save_checkpoint()
+        if self.checkpointer is not None and self.checkpointer.last_step != self.progress.global_step:
+            self.save_checkpoint()  # (not when resumed at the end: that step is committed already)
         # Kept so that full_state_dict() works after fit tore the strategy down.
         self._final_state = self.strategy.full_state_dict()
         hook.unison_on_fit_end(trainer=self)
@@ -467,53 +483,54 @@ class Trainer:
         return self.strategy.full_state_dict()
 
     def save_checkpoint(self) -> Path:
-        """Write a checkpoint for the current step (collective, atomic)."""
+        """Write and commit a checkpoint for the current step (collective, atomic, verified on load)."""
         assert self.checkpointer is not None and self.env is not None
-        env = self.env
+        env, checkpointer = self.env, self.checkpointer
 
         def write(directory: Path) -> dict[str, Any]:
             self.strategy.save_state(directory / "state")
-            (directory / "rng").mkdir(exist_ok=True)
-            torch.save(rng_state(), directory / "rng" / f"rank-{env.rank:05d}.pt")
+            checkpointer.write_rng(directory, env.rank, rng_state())
             trainer_state: dict[str, Any] = {
                 "progress": {k: v for k, v in vars(self.progress).items()},
                 "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
                 "precision": self.precision.state_dict() if self.precision is not None else {},
             }
             self.pm.hook.unison_on_save_checkpoint(trainer=self, checkpoint=trainer_state)
-            if env.rank == 0:
-                torch.save(trainer_state, directory / "trainer.pt")
+            checkpointer.write_trainer_state(directory, trainer_state, write=env.rank == 0)
             return {
-                "step": self.progress.global_step,
                 "strategy": self.strategy.name,
                 "world_size": env.world_size,
+                "precision": self.settings.precision,
                 "state_dict": self.ownership.to_dict()["state_dict"],
             }
 
-        return self.checkpointer.save(self.progress.global_step, write)
+        return checkpointer.save(self.progress.global_step, write)
 
     def _load_checkpoint(self, ckpt_path: str | os.PathLike[str]) -> None:
         assert self.env is not None
         checkpointer = self.checkpointer or Checkpointer(Path(ckpt_path).parent)
-        path = checkpointer.resolve(ckpt_path)
-        meta = Checkpointer.read_meta(path)
-        if meta["world_size"] != self.env.world_size and not meta["state_dict"]["reshardable"]:
+        found = checkpointer.select(ckpt_path)  # collective: verifies every file before anything is loaded
+        if found is None:  # "auto" and nothing committed yet: a fresh start
+            return
+        path, meta = found.path, found.manifest
+        assert meta is not None
+        if meta.world_size != self.env.world_size and not meta.state_dict["reshardable"]:
             raise ConfigurationError(
                 "ckpt_path",
-                f"{path} was written by {meta['strategy']!r} at world size {meta['world_size']} in a format it "
+                f"{path} was written by {meta.strategy!r} at world size {meta.world_size} in a format it "
                 f"declares not reshardable; this run has world size {self.env.world_size}",
-                f"resume at world size {meta['world_size']}",
+                f"resume at world size {meta.world_size}",
             )
         self.strategy.load_state(path / "state")
-        trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+        trainer_state = checkpointer.read_trainer_state(path)
         self.progress = Progress(**trainer_state["progress"])
         if self.lr_scheduler is not None and trainer_state["scheduler"] is not None:
             self.lr_scheduler.load_state_dict(trainer_state["scheduler"])
         if self.precision is not None:
             self.precision.load_state_dict(trainer_state["precision"])
-        rng_file = path / "rng" / f"rank-{self.env.rank:05d}.pt"
-        if rng_file.exists() and meta["world_size"] == self.env.world_size:
-            set_rng_state(torch.load(rng_file, weights_only=False))
+        rng = checkpointer.read_rng(path, self.env.rank) if meta.world_size == self.env.world_size else None
+        if rng is not None:
+            set_rng_state(rng)
         else:
             # Another world size: no saved RNG for this rank; derive one from
             # the seed and the step so the run stays deterministic.
