@@ -80,17 +80,19 @@ def run_script(script: str, nproc: int, script_args: Sequence[str] = (), torchru
 def summarize_failures(failures: dict[int, Any]) -> tuple[int, list[str]]:
     """``(exit code, report lines)`` for torchrun's failed workers, first failure first.
 
-    Order: the time each worker recorded its error (sub-second, written by
-    the trainer), then workers without a record (killed by a signal, or
-    failing before ``fit``) at the time torchrun saw them.
+    Order: workers killed by a signal first (a peer's failure never kills a
+    process by signal, while the other ranks of a killed worker fail in their
+    next collective with "connection closed"), then by the time each worker
+    recorded its exception (sub-second, written by the trainer), then by the
+    time torchrun saw the rest.
     """
     from unison.lifecycle import PREEMPTED_EXIT_CODE
 
-    def when(item: tuple[int, Any]) -> tuple[float, int]:
+    def when(item: tuple[int, Any]) -> tuple[bool, float, int]:
         rank, failure = item
         info = failure.error_file_data.get("message", {})
         precise = info.get("extraInfo", {}).get("unison_time") if isinstance(info, dict) else None
-        return (float(precise) if precise is not None else float(failure.timestamp), rank)
+        return (failure.exitcode >= 0, float(precise) if precise is not None else float(failure.timestamp), rank)
 
     ordered = sorted(failures.items(), key=when)
     if all(f.exitcode == PREEMPTED_EXIT_CODE for _, f in ordered):

@@ -20,10 +20,12 @@ and write one consistent checkpoint.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -166,6 +168,7 @@ class RunGuard:
 
     # -- context -------------------------------------------------------------- #
     def __enter__(self) -> "RunGuard":
+        _register_exit_drain()
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -207,3 +210,63 @@ def record_error(exc: BaseException) -> None:
             json.dump(data, f)
     except OSError:  # reporting must never mask the real error
         pass
+
+
+# --------------------------------------------------------------------------- #
+# A clean end of the process
+# --------------------------------------------------------------------------- #
+_drain_registered = False
+
+
+def _register_exit_drain() -> None:
+    global _drain_registered
+    if not _drain_registered:
+        atexit.register(drain_collective_threads)
+        _drain_registered = True
+
+
+def _gloo_worker_threads() -> int:
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return -1  # cannot tell: drain anyway
+    count = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().startswith("pt_gloo")
+        except OSError:
+            continue
+    return count
+
+
+def drain_collective_threads() -> None:
+    """At interpreter exit: let gloo's worker threads finish with Python before it shuts down.
+
+    Why (measured; the cause of ``terminate called without an active
+    exception`` and SIGABRT in a rank of a run that had finished): a gloo
+    worker thread releases the work object of the last collective it ran
+    after the caller has already moved on; if that work holds the last
+    reference to a tensor that Python created, releasing it needs the GIL.
+    When the main thread reaches interpreter finalization first, the worker's
+    ``take_gil`` ends its thread with a forced unwind through a ``noexcept``
+    destructor, and ``std::terminate`` aborts the process. It happens only for
+    process groups that outlive ``destroy_process_group`` because something
+    still references them (a ``ZeroRedundancyOptimizer`` default argument,
+    DeepSpeed's group registry, FSDP state inside the user's module, DTensor's
+    planner cache); a group whose last reference goes away in
+    ``destroy_process_group`` joins its threads there, while Python is alive.
+
+    This handler runs before finalization (``atexit``) and hands the GIL over
+    until every such waiting thread had it: a short sleep lets a waiter take
+    it, and CPython's forced switching makes a busy holder yield to any thread
+    that has waited a switch interval. Only runs when gloo threads exist.
+    """
+    if _gloo_worker_threads() == 0:
+        return
+    interval = sys.getswitchinterval()
+    for _ in range(4):
+        time.sleep(interval)  # a thread waiting for the GIL takes it now
+        end = time.monotonic() + 2 * interval
+        while time.monotonic() < end:  # holding it, the main thread must hand it to a thread that waited
+            pass

@@ -65,6 +65,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--every", type=int, default=1, help="checkpoint every N steps")
     p.add_argument("--hidden", type=int, default=16)
+    p.add_argument("--layers", type=int, default=2)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--fault", action="append", default=[])
@@ -73,7 +74,7 @@ def main() -> None:
         strategy=args.strategy, global_batch_size=8, max_steps=args.steps, seed=0,
         checkpoint_dir=args.ckpt, checkpoint_every_n_steps=args.every, callbacks=[Faults(args.fault)],
     )
-    progress = trainer.fit(model(hidden=args.hidden), data(), loss_fn=torch.nn.functional.mse_loss,
+    progress = trainer.fit(model(hidden=args.hidden, layers=args.layers), data(), loss_fn=torch.nn.functional.mse_loss,
                            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2), ckpt_path="auto")
     state = trainer.full_state_dict()
     if trainer.is_global_zero:
