@@ -348,3 +348,62 @@ def test_verify_all_bad_manifests_under_auto_is_an_error(tmp_path):
     with pytest.raises(CheckpointError, match="no committed checkpoint .* verifies"):
         with pytest.warns(CheckpointWarning, match="manifest.json: unreadable"):
             run(tmp_path, max_steps=4, ckpt_path="auto")
+
+
+# --------------------------------------------------------------------------- #
+# unison train --resume
+# --------------------------------------------------------------------------- #
+FACTORIES = '''
+import torch
+from torch.utils.data import TensorDataset
+
+
+def model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def datasets():
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(128, 8, generator=g), torch.randn(128, 1, generator=g)), None
+
+
+loss = torch.nn.functional.mse_loss
+'''
+
+
+def test_unison_train_refuses_a_used_directory_and_resumes_with_resume_auto(tmp_path):
+    (tmp_path / "factories.py").write_text(FACTORIES)
+    ckpt = tmp_path / "ckpt"
+    (tmp_path / "run.toml").write_text(f'''
+[trainer]
+global_batch_size = 8
+max_steps = 4
+checkpoint_dir = "{ckpt}"
+checkpoint_every_n_steps = 2
+[model]
+factory = "factories.py:model"
+[data]
+factory = "factories.py:datasets"
+[loss]
+factory = "factories.py:loss"
+[logging]
+progress = false
+''')
+
+    def train_cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "unison.cli", "train", str(tmp_path / "run.toml"), *args],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    first = train_cli()
+    assert first.returncode == 0, first.stderr
+    again = train_cli()
+    assert again.returncode == 2 and "--resume auto" in " ".join(again.stdout.split())
+    resumed = train_cli("--resume", "auto", "--max-steps", "6")
+    assert resumed.returncode == 0, resumed.stderr
+    manifests = [Manifest.read(LocalStorage(), ckpt / n) for n in names(ckpt)]
+    assert [(m.step, m.commit) for m in manifests] == [(2, 1), (4, 2), (6, 3)]
+    assert len({m.run for m in manifests}) == 1  # one run, resumed
+    no_resume = train_cli("--max-restarts", "1")
+    assert no_resume.returncode == 2 and "--max-restarts needs --resume auto" in no_resume.stdout + no_resume.stderr

@@ -150,3 +150,19 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_which_resumes(tmp_p
     assert full.returncode == 0, full.stderr[-3000:]
     reference, state = torch.load(tmp_path / "full.pt"), torch.load(out)
     assert all(torch.equal(state[k], reference[k]) for k in reference)
+
+
+@pytest.mark.timeout(120)
+def test_a_missing_rank_fails_the_start_within_the_rendezvous_timeout(tmp_path):
+    """Rank 1 never comes: rank 0 must fail after UNISON_RENDEZVOUS_TIMEOUT, not after torch's 10 minutes."""
+    from unison.launch import free_port
+
+    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "2",
+           "LOCAL_RANK": "0", "UNISON_RENDEZVOUS_TIMEOUT": "5"}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, SCRIPT, "--ckpt", str(tmp_path / "c"), "--out", str(tmp_path / "o")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    elapsed = time.monotonic() - started
+    assert proc.returncode != 0
+    assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-2000:]
+    assert elapsed < 60, elapsed
