@@ -164,7 +164,10 @@ class RunGuard:
             if checkpointer.last_step != trainer.global_step:
                 trainer.save_checkpoint()
             path = checkpointer.latest()
-        raise Preempted(trainer.global_step, reason, str(path) if path else None)
+        stop = Preempted(trainer.global_step, reason, str(path) if path else None)
+        if trainer.is_global_zero:
+            print(f"unison: {stop}; exiting with code {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
+        raise stop
 
     # -- context -------------------------------------------------------------- #
     def __enter__(self) -> "RunGuard":

@@ -90,6 +90,19 @@ def test_sigkill_mid_run_restarts_and_equals_uninterrupted(tmp_path, reference, 
     run = unison_run(tmp_path, strategy, strategy=strategy, restarts=2, faults=("0:1:7:KILL",))
     assert run["attempt"] == 1
     assert_same(run, reference(strategy))
+    # The final checkpoint exports to plain weights whatever the strategy's own format.
+    weights = tmp_path / "model.safetensors"
+    exported = subprocess.run([sys.executable, "-m", "unison.cli", "checkpoint", "export", str(run["ckpt"]),
+                               str(weights)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stdout + exported.stderr
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from lifecycle_worlds import model
+
+    plain = model()
+    plain.load_state_dict(load_file(str(weights)))
+    assert all(torch.equal(v, run["state"][k]) for k, v in plain.state_dict().items())
 
 
 @pytest.mark.timeout(600)
