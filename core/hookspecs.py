@@ -130,7 +130,10 @@ def unison_on_exception(trainer: "Trainer", exception: BaseException) -> None:
     """When ``fit`` is leaving because of an exception, on the failing rank.
 
     Called by :meth:`Trainer.fit` before the exception propagates. No
-    checkpoint is written: the last good one stays untouched. Must not raise.
+    checkpoint is written: the last good one stays untouched. A stop request
+    (SIGTERM/SIGUSR1) ends ``fit`` with :class:`unison.lifecycle.Preempted`
+    after its checkpoint was committed; it arrives here too, on every rank.
+    Must not raise.
     """
 
 

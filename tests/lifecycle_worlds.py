@@ -66,12 +66,13 @@ def main() -> None:
     p.add_argument("--every", type=int, default=1, help="checkpoint every N steps")
     p.add_argument("--hidden", type=int, default=16)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--ckpt", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--fault", action="append", default=[])
     args = p.parse_args()
     trainer = unison.Trainer(
-        strategy=args.strategy, global_batch_size=8, max_steps=args.steps, seed=0,
+        strategy=args.strategy, global_batch_size=8, accumulate_grad_batches=args.accumulate, max_steps=args.steps, seed=0,
         checkpoint_dir=args.ckpt, checkpoint_every_n_steps=args.every, callbacks=[Faults(args.fault)],
     )
     progress = trainer.fit(model(hidden=args.hidden, layers=args.layers), data(), loss_fn=torch.nn.functional.mse_loss,
