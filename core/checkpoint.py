@@ -65,7 +65,7 @@ from unison.manifest import (
     verify,
 )
 from unison.safe_io import decode_rng, dumps, encode_rng, loads
-from unison.storage import LocalStorage
+from unison.storage import LocalStorage, open_storage
 
 LATEST = "latest"
 #: ``step-00000010`` or, for a re-save of that step, ``step-00000010.1``.
@@ -96,9 +96,12 @@ class Checkpointer:
 
     def __init__(self, root: str | os.PathLike[str], keep_last_n: int | None = None,
                  storage: LocalStorage | None = None) -> None:
-        self.root = Path(root)
+        if storage is None:
+            # A URL picks its backend (s3:// -> object storage); an unknown scheme is refused here.
+            self.root, self.storage = open_storage(root)
+        else:
+            self.root, self.storage = Path(root), storage
         self.keep_last_n = keep_last_n
-        self.storage = storage or LocalStorage()
         #: The run this checkpointer writes for; adopted from the checkpoint a
         #: run resumes from (within this root), otherwise made at the first save.
         self.run_id: str | None = None
@@ -153,6 +156,7 @@ class Checkpointer:
         checkpoint elsewhere, into a root that holds committed checkpoints is
         refused: its saves would replace and prune the other run's.
         """
+        self.storage.check(self.root)  # unreachable or refused object storage: fail before training
         if ckpt_path is not None and str(ckpt_path) in ("auto", "last"):
             return
         existing = self.committed()
@@ -289,7 +293,9 @@ class Checkpointer:
         self.storage.make_dir(partial)
 
     def _write(self, directory: Path, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
-        return write(directory)
+        # Strategies write to a local directory; remote storage uploads this rank's files afterwards.
+        with self.storage.staged(directory) as local:
+            return write(local)
 
     def _free_name(self, step: int) -> Path:
         base = step_dir_name(step)

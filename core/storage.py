@@ -1,22 +1,36 @@
 """The file operations of the checkpointer, behind one small seam.
 
 :class:`LocalStorage` is every read, write, listing, rename and delete the
-checkpointer does, on a POSIX file system. An object-storage backend (fsspec,
-S3) replaces this class and keeps the checkpointer's rules: the rules only ever
-call these methods, so they never learn where the bytes live.
+checkpointer does, on a POSIX file system. An object-storage backend
+(:class:`unison.remote_storage.FsspecStorage`, S3 through s3fs) replaces this
+class and keeps the checkpointer's rules: the rules only ever call these
+methods, so they never learn where the bytes live.
 
-Strategies write their own state files into a *local* directory the
-checkpointer hands them (``Checkpointer.save``'s ``write`` callback); a remote
-backend stages that directory locally and uploads it in :meth:`commit_dir`.
+Strategies write their own state files into a *local* directory and read them
+back from one (DCP's and DeepSpeed's writers want a file system). Two methods
+bridge that: :meth:`LocalStorage.staged` hands each rank a local directory to
+write into (a remote backend uploads what the rank wrote when it is done), and
+:meth:`LocalStorage.localize` gives the local directory of a committed
+checkpoint (a remote backend downloads it). On a local file system both are
+the path itself.
+
+:func:`open_storage` turns a location (a path, ``file://`` or ``s3://`` URL)
+into its root path and storage; any other scheme, or ``s3://`` without s3fs,
+is a :class:`~unison.errors.ConfigurationError` before anything is written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+from unison.errors import ConfigurationError
 
 #: Bytes read at a time while hashing: large enough to keep sha256 busy.
 _CHUNK = 1 << 20
@@ -108,6 +122,19 @@ class LocalStorage:
         """Delete a directory and everything under it (missing is fine)."""
         shutil.rmtree(path, ignore_errors=True)
 
+    # -- the strategies' local directories ---------------------------------- #
+    @contextlib.contextmanager
+    def staged(self, directory: Path) -> Iterator[Path]:
+        """A local directory in which this rank writes its files of ``directory`` (here: ``directory`` itself)."""
+        yield directory
+
+    def localize(self, path: Path) -> Path:
+        """A local directory holding the files under ``path`` (here: ``path`` itself)."""
+        return path
+
+    def check(self, root: Path) -> None:
+        """Fail early, with a clear message, when ``root`` cannot be used (local paths: nothing to check)."""
+
     def _sync_dir(self, path: Path) -> None:
         # A rename is durable only once its directory entry is flushed.
         try:
@@ -120,3 +147,50 @@ class LocalStorage:
             pass
         finally:
             os.close(fd)
+
+
+# --------------------------------------------------------------------------- #
+# Locations
+# --------------------------------------------------------------------------- #
+#: ``scheme://rest``; also the ``scheme:/rest`` that ``Path("s3://b/k")`` collapses
+#: it to. Two letters at least, so a Windows drive (``C:/``) is never a scheme.
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/+(.*)$")
+#: Object-storage schemes unison writes to, and the package that provides each.
+REMOTE_SCHEMES = {"s3": "s3fs"}
+
+
+def split_url(location: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """``(scheme, "bucket/key")`` for a URL (either spelling), ``None`` for a plain path."""
+    match = _URL.match(str(location))
+    return (match.group(1).lower(), match.group(2).rstrip("/")) if match else None
+
+
+def open_storage(
+    location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+) -> tuple[Path, LocalStorage]:
+    """The root path and storage for a checkpoint location.
+
+    * a path or ``file://`` URL: that directory, :class:`LocalStorage`;
+    * ``s3://bucket/prefix``: an S3 bucket through s3fs, configured the
+      standard way (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+      ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``, fsspec's ``FSSPEC_S3_*``
+      variables) or by ``storage_options`` (s3fs's keyword arguments);
+    * anything else: a :class:`ConfigurationError`. A URL is never taken as
+      a local directory named after it.
+    """
+    url = split_url(location)
+    if url is None:
+        return Path(location), LocalStorage()
+    scheme, rest = url
+    if scheme == "file":
+        return Path("/" + rest), LocalStorage()
+    if scheme not in REMOTE_SCHEMES:
+        raise ConfigurationError(
+            "checkpoint_dir",
+            f"{str(location)!r} uses the URL scheme {scheme!r}, which unison does not store to",
+            "give a local path, a file:// URL or an s3://bucket/prefix URL",
+        )
+    from unison.remote_storage import FsspecStorage
+
+    storage = FsspecStorage(scheme, storage_options or {})
+    return storage.root_path(rest), storage

@@ -946,7 +946,7 @@ class Trainer:
                 f"declares not reshardable; this run has world size {self.env.world_size}",
                 f"resume at world size {meta.world_size}",
             )
-        self.strategy.load_state(path / "state")
+        self.strategy.load_state(checkpointer.storage.localize(path / "state"))  # object storage: downloaded
         trainer_state = checkpointer.read_trainer_state(path)
         self.progress = Progress.from_state(trainer_state["progress"])
         if self.lr_scheduler is not None and trainer_state["scheduler"] is not None:
