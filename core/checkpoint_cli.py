@@ -7,6 +7,10 @@
 * ``export PATH OUT`` – the canonical weights as a safetensors file, for
   ``safetensors.torch.load_file`` and the plain model's ``load_state_dict``.
 
+PATH is a local path or an ``s3://bucket/prefix`` URL (object storage is read
+through :func:`unison.storage.open_storage`, configured by the usual AWS
+variables).
+
 Exit codes: 0 fine, 1 a checkpoint failed verification, 2 bad input.
 """
 
@@ -20,18 +24,26 @@ from rich.console import Console
 
 from unison.checkpoint import LATEST, Checkpointer
 from unison.manifest import MANIFEST, CheckpointError, Manifest, verify
-from unison.storage import LocalStorage
+from unison.storage import LocalStorage, open_storage
 
 console = Console()
 
 
-def _targets(path: Path) -> tuple[list[Path], bool]:
+def _open(location: str) -> tuple[Path, LocalStorage]:
+    """The path and storage of a location; a local one must exist."""
+    path, storage = open_storage(location)
+    if isinstance(path, Path) and type(storage) is LocalStorage and not path.exists():
+        raise click.BadParameter(f"{location} does not exist", param_hint="PATH")
+    return path, storage
+
+
+def _targets(path: Path, storage: LocalStorage) -> tuple[list[Path], bool]:
     """``([checkpoint], False)`` for a checkpoint, ``([each committed], True)`` for a checkpoint_dir."""
-    if (path / MANIFEST).exists():
+    if storage.exists(path / MANIFEST):
         return [path], False
-    if not path.is_dir():
+    if not storage.is_dir(path):
         raise click.BadParameter(f"{path} is neither a checkpoint nor a directory", param_hint="PATH")
-    found = [c.path for c in Checkpointer(path).committed()]
+    found = [c.path for c in Checkpointer(path, storage=storage).committed()]
     if not found:
         raise click.BadParameter(f"{path} holds no committed checkpoint (no {MANIFEST})", param_hint="PATH")
     return found, True
@@ -51,12 +63,12 @@ def checkpoint() -> None:
 
 
 @checkpoint.command()
-@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
-def inspect(path: Path) -> None:
+@click.argument("location", metavar="PATH")
+def inspect(location: str) -> None:
     """Show what wrote the checkpoint(s) at PATH, oldest commit first (reads manifests only)."""
-    targets, is_root = _targets(path)
-    storage = LocalStorage()
-    pointer = (path / LATEST).read_text().strip() if is_root and (path / LATEST).exists() else None
+    path, storage = _open(location)
+    targets, is_root = _targets(path, storage)
+    pointer = storage.read_text(path / LATEST).strip() if is_root and storage.exists(path / LATEST) else None
     for target in targets:
         try:
             m = Manifest.read(storage, target)
@@ -77,14 +89,15 @@ def inspect(path: Path) -> None:
 
 
 @checkpoint.command("verify")
-@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
-def verify_cmd(path: Path) -> None:
+@click.argument("location", metavar="PATH")
+def verify_cmd(location: str) -> None:
     """Check every file of the checkpoint(s) at PATH against the manifest (sha256)."""
-    targets, _ = _targets(path)
+    path, storage = _open(location)
+    targets, _ = _targets(path, storage)
     failed = 0
     for target in targets:
         try:
-            m = verify(LocalStorage(), target)
+            m = verify(storage, target)
         except (CheckpointError, FileNotFoundError) as exc:
             failed += 1
             console.print(f"[red]FAIL[/] {exc}", highlight=False)
@@ -96,19 +109,20 @@ def verify_cmd(path: Path) -> None:
 
 
 @checkpoint.command()
-@click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.argument("location", metavar="PATH")
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
-def export(path: Path, out: Path) -> None:
+def export(location: str, out: Path) -> None:
     """Write the canonical model weights of checkpoint PATH to OUT (safetensors)."""
     from unison.export import export_safetensors
 
-    if not (path / MANIFEST).exists():
-        latest = Checkpointer(path).latest() if path.is_dir() else None
+    path, storage = _open(location)
+    if not storage.exists(path / MANIFEST):
+        latest = Checkpointer(path, storage=storage).latest() if storage.is_dir(path) else None
         if latest is None:
             raise click.BadParameter(f"{path} is not a committed checkpoint", param_hint="PATH")
         path = latest
     try:
-        state = export_safetensors(path, out)
+        state = export_safetensors(path, out, storage)
     except CheckpointError as exc:
         console.print(f"[red]FAIL[/] {exc}", highlight=False)
         sys.exit(1)

@@ -3,8 +3,10 @@
 * ``unison strategies`` – every registered strategy, available or not (with why).
 * ``unison precisions`` – every registered precision plugin, available or not (with why).
 * ``unison describe NAME`` – the strategy's ownership declaration.
-* ``unison run --nproc N [TORCHRUN_OPTION=VALUE ...] script.py [ARGS]`` – torchrun.
-* ``unison train CONFIG [--strategy NAME] [--nproc N] [--resume auto|PATH]`` – train from a config file.
+* ``unison run --nproc N [TORCHRUN_OPTION=VALUE ...] script.py [ARGS]`` – torchrun (multi-node options
+  given or derived from SLURM / Kubernetes, see :mod:`unison.cluster`).
+* ``unison train CONFIG [--strategy NAME] [--nproc N] [--resume auto|PATH] [--nnodes N --rdzv-endpoint ...]``
+  – train from a config file.
 * ``unison checkpoint inspect|verify|export PATH`` – see :mod:`unison.checkpoint_cli`.
 
 Plugins add more commands through ``unison_add_cli_commands``
@@ -121,14 +123,21 @@ def describe(name: str) -> None:
         console.print(f"note: {note}")
 
 
+_NPROC_HELP = "Processes on this node (default: the cluster environment's count, else 1)."
+_CLUSTER_HELP = "Cluster environment (torchrun, slurm, kubernetes...); default: detected from the environment."
+
+
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Processes on this node.")
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP)
+@click.option("--cluster", default=None, metavar="NAME", help=_CLUSTER_HELP)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(nproc: int, args: tuple[str, ...]) -> None:
+def run(nproc: int | None, cluster: str | None, args: tuple[str, ...]) -> None:
     """Run a training script under torchrun: ``unison run --nproc 2 train.py --lr 1e-3``.
 
     Options before the script, in ``--name=value`` form, go to torchrun
-    (``--nnodes=2 --node-rank=0 --master-addr=HOST --master-port=PORT``).
+    (``--nnodes=2 --node-rank=0 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-id=JOB
+    --max-restarts=3``). Under SLURM (srun) or a Kubernetes PyTorchJob the
+    multi-node options are derived from the scheduler's variables.
     """
     torchrun_args = []
     rest = list(args)
@@ -136,22 +145,34 @@ def run(nproc: int, args: tuple[str, ...]) -> None:
         torchrun_args.append(rest.pop(0))
     if not rest:
         raise click.UsageError("no script given")
-    sys.exit(run_script(rest[0], nproc, rest[1:], torchrun_args))
+    sys.exit(run_script(rest[0], nproc, rest[1:], torchrun_args, cluster))
 
 
 @cli.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 @click.option("--strategy", default=None, help="Override [trainer] strategy.")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Processes on this node.")
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP)
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Override [trainer] max_steps.")
 @click.option("--resume", default=None, metavar="auto|PATH",
               help="Resume: 'auto' = the newest committed checkpoint in checkpoint_dir, or a fresh start if none; "
                    "or a checkpoint directory.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="Restart all workers this many times when one fails (needs --resume auto).")
-def train(config: str, strategy: str | None, nproc: int, max_steps: int | None, resume: str | None,
-          max_restarts: int) -> None:
-    """Train from a TOML or YAML CONFIG (see unison.config for the layout)."""
+@click.option("--nnodes", default=None, metavar="N|MIN:MAX", help="Nodes in the job (torchrun --nnodes).")
+@click.option("--node-rank", type=click.IntRange(min=0), default=None, help="This node's rank (torchrun --node-rank).")
+@click.option("--rdzv-backend", default=None, metavar="NAME", help="Rendezvous backend, e.g. c10d.")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="Rendezvous endpoint every node reaches.")
+@click.option("--rdzv-id", default=None, metavar="ID", help="Job id shared by the nodes.")
+@click.option("--cluster", default=None, metavar="NAME", help=_CLUSTER_HELP)
+def train(config: str, strategy: str | None, nproc: int | None, max_steps: int | None, resume: str | None,
+          max_restarts: int, nnodes: str | None, node_rank: int | None, rdzv_backend: str | None,
+          rdzv_endpoint: str | None, rdzv_id: str | None, cluster: str | None) -> None:
+    """Train from a TOML or YAML CONFIG (see unison.config for the layout).
+
+    With ``--nproc`` above 1, multi-node options, or under SLURM (srun) or a
+    Kubernetes PyTorchJob, the config is checked here and then trained by
+    torchrun's workers (every node runs the same command).
+    """
     if max_restarts and resume != "auto":
         # A restarted world must continue from its last checkpoint, not refuse its own directory.
         raise click.UsageError("--max-restarts needs --resume auto")
@@ -164,17 +185,29 @@ def train(config: str, strategy: str | None, nproc: int, max_steps: int | None, 
     if max_steps is not None:
         overrides["max_steps"] = max_steps
     run_config, base = load_config(config, overrides)
-    if (nproc > 1 or max_restarts) and "LOCAL_RANK" not in os.environ:
+    given = {"--nnodes": nnodes, "--node-rank": node_rank, "--rdzv-backend": rdzv_backend,
+             "--rdzv-endpoint": rdzv_endpoint, "--rdzv-id": rdzv_id}
+    node_args = [f"{flag}={value}" for flag, value in given.items() if value is not None]
+    if "LOCAL_RANK" in os.environ:  # a worker torchrun started: train
+        _train_here(config, overrides, resume)
+        return
+    from unison.launch import cluster_launch
+
+    pm = PluginManager()
+    nproc, node_args, launch = cluster_launch(nproc, node_args, cluster, pm)
+    multi_node = launch.multi_node or nnodes is not None
+    if nproc > 1 or max_restarts or multi_node:
         # Validate before any worker or process group starts, then relaunch.
-        pm = PluginManager()
-        build_strategy(run_config.trainer, pm, nproc)
+        nodes = (nnodes or launch.nnodes or "1").split(":")[-1]
+        build_strategy(run_config.trainer, pm, nproc * int(nodes) if nodes.isdigit() else nproc)
         resolve_run(run_config, base)  # every factory, file and keyword
         _config_plugins(run_config, base, pm)  # loggers and callbacks: constructing them checks their options
         # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
         argv = ["train", config, *(["--strategy", strategy] if strategy else []),
                 *(["--max-steps", str(max_steps)] if max_steps is not None else []),
                 *(["--resume", resume] if resume is not None else [])]
-        sys.exit(run_script("unison.cli", nproc, argv, ["--module", f"--max-restarts={max_restarts}"]))
+        sys.exit(run_script("unison.cli", nproc, argv, ["--module", f"--max-restarts={max_restarts}", *node_args],
+                            cluster))
     _train_here(config, overrides, resume)
 
 

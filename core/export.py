@@ -34,7 +34,7 @@ def canonical_state(path: str | Path, storage: LocalStorage | None = None) -> di
     path = Path(path)
     storage = storage or LocalStorage()
     verify(storage, path)
-    state_dir = path / "state"
+    state_dir = storage.localize(path / "state")  # object storage: the verified files, downloaded
     reader = dcp.FileSystemReader(str(state_dir))
     metadata = reader.read_metadata()
     wanted = {

@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 from unison.plugin import hookspec
 
 if TYPE_CHECKING:  # pragma: no cover
+    from unison.cluster import ClusterEnvironment
     from unison.registry import PrecisionSpec, StrategySpec
     from unison.trainer import StepOutput, Trainer
 
@@ -127,6 +128,24 @@ def unison_plugins_from_config(config: Any) -> "list[Any]":
 
     Returns:
         Plugin objects to register on the run's Trainer (may be empty).
+    """
+
+
+@hookspec
+def unison_cluster_environments() -> "list[ClusterEnvironment]":
+    """Register cluster environments: how torchrun on this node joins a job of several nodes.
+
+    Called by ``unison run`` and ``unison train`` (:func:`unison.launch.run_script`
+    and the check before it) in the launching process of each node, before
+    torchrun starts and before any rank exists. Every environment's ``detect``
+    is then asked about this process's variables; the detected one of highest
+    ``priority`` derives torchrun's multi-node options
+    (:class:`~unison.cluster.NodeLaunch`). Built-ins: ``torchrun`` (default),
+    ``slurm``, ``kubernetes`` (:mod:`unison.plugins.cluster`).
+
+    Returns:
+        A list of :class:`~unison.cluster.ClusterEnvironment` instances; names
+        must be unique across plugins.
     """
 
 

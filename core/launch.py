@@ -3,7 +3,9 @@
 * :func:`run_script` is what ``unison run --nproc N script.py`` does: it hands
   the script to ``torch.distributed.run`` (torchrun), passing extra torchrun
   options through. The script builds a :class:`~unison.Trainer`, which finds
-  the ``env://`` variables torchrun sets.
+  the ``env://`` variables torchrun sets. Several nodes: every node runs it,
+  with torchrun's multi-node options given or derived from the scheduler by a
+  cluster environment (:mod:`unison.cluster`: SLURM, Kubernetes).
 * :func:`spawn` runs a picklable function in a fresh world of ``nproc`` local
   processes with an initialised gloo group and returns each rank's result. The
   conformance suite and the tests use it to run many scenarios in one process
@@ -20,8 +22,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -36,10 +39,30 @@ def free_port() -> int:
 _SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-def run_script(script: str, nproc: int, script_args: Sequence[str] = (), torchrun_args: Sequence[str] = ()) -> int:
+def cluster_launch(nproc: int | None, torchrun_args: Sequence[str], cluster: str | None = None,
+                   pm: Any = None) -> tuple[int, list[str], Any]:
+    """``(processes on this node, torchrun options, NodeLaunch)`` with the cluster environment's options added.
+
+    Options given explicitly win over derived ones; ``nproc`` (``--nproc``)
+    wins over the scheduler's count of workers per node; neither: 1.
+    """
+    from unison.cluster import node_launch
+    from unison.manager import PluginManager
+
+    launch, args = node_launch(pm or PluginManager(), torchrun_args, os.environ, cluster)
+    return nproc or launch.nproc_per_node or 1, args, launch
+
+
+def run_script(script: str, nproc: int | None, script_args: Sequence[str] = (), torchrun_args: Sequence[str] = (),
+               cluster: str | None = None) -> int:
     """Run ``script`` under torchrun with ``nproc`` processes on this node; return its exit code.
 
     What it does beyond plain torchrun, and why:
+
+    * Multi-node options come from the cluster environment (SLURM, a
+      Kubernetes PyTorchJob; :func:`cluster_launch`) where not given, so
+      ``srun --ntasks-per-node=1 unison run --nproc 8 train.py`` joins the job;
+      one line on stderr says what was derived.
 
     * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun otherwise keeps one
       rendezvous store across worker restarts, and a restarted world reads the
@@ -53,9 +76,13 @@ def run_script(script: str, nproc: int, script_args: Sequence[str] = (), torchru
       (128 + N for signal N; 75 when every failed rank stopped on request).
     """
     from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    nproc, torchrun_args, launch = cluster_launch(nproc, torchrun_args, cluster)
+    if launch.environment != "torchrun":
+        print(f"unison run: {launch.environment} ({'; '.join(launch.notes) or 'detected'}): "
+              f"{' '.join(launch.torchrun_args()) or 'single node'}", file=sys.stderr, flush=True)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     argv = [f"--nproc-per-node={nproc}", *torchrun_args]
     if not any(a.startswith(("--rdzv", "--master", "--nnodes", "--standalone")) for a in torchrun_args):

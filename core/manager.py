@@ -48,6 +48,7 @@ from unison.registry import PrecisionRegistry, StrategyRegistry
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from unison.cluster import ClusterEnvironment
     from unison.trainer import StepOutput, Trainer
 
 ENTRY_POINT_GROUP = "unison"
@@ -226,6 +227,15 @@ class PluginManager:
     def unison_plugins_from_config(self, *, config: Any) -> list[Any]:
         """The plugins every implementation built, flattened into one list."""
         return [plugin for plugins in self._pm.hook.unison_plugins_from_config(config=config) for plugin in plugins]
+
+    def unison_cluster_environments(self) -> list[ClusterEnvironment]:
+        """Every plugin's cluster environments, flattened; a name registered twice is an error."""
+        environments = [env for envs in self._pm.hook.unison_cluster_environments() for env in envs or []]
+        names = [env.name for env in environments]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise PluginError(f"cluster environment(s) registered twice: {', '.join(duplicates)}")
+        return environments
 
     def unison_on_fit_start(self, *, trainer: Trainer) -> None:
         self._pm.hook.unison_on_fit_start(trainer=trainer)
