@@ -54,7 +54,8 @@ def objects(s3, prefix: str) -> list[str]:
 
 
 def committed_steps(keys: list[str]) -> list[str]:
-    return sorted({k.split("/")[0] for k in keys if k.endswith("/manifest.json")})
+    """Checkpoints a reader would find: ``step-*`` prefixes holding a manifest (not the temporary ``.partial``)."""
+    return sorted({k.split("/")[0] for k in keys if k.startswith("step-") and k.endswith("/manifest.json")})
 
 
 def check_cli(url: str, state: dict[str, torch.Tensor], tmp_path: Path, capsys) -> None:
@@ -216,4 +217,13 @@ def test_s3_without_s3fs_is_refused_naming_the_extra(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=50)
     assert "s3fs" in out.stdout and "unison[s3]" in out.stdout, (out.stdout, out.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_directory_url_is_refused_not_made_a_local_directory(tmp_path, monkeypatch):
+    from unison.plugins.loggers import CSVLogger
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(unison.ConfigurationError, match=r"logging.dir.*s3://.*local path"):
+        CSVLogger(f"s3://{s3_server.BUCKET}/runs")
     assert list(tmp_path.iterdir()) == []

@@ -27,6 +27,9 @@ from typing import Any
 
 import torch
 
+from unison.errors import ConfigurationError
+from unison.storage import split_url
+
 RUN_FILE = "run.json"
 _VERSION = re.compile(r"version_(\d+)")
 #: Distributions whose versions are recorded when installed (read from metadata, never imported).
@@ -47,7 +50,15 @@ class RunDirectory:
     _shared: "weakref.WeakValueDictionary[Path, RunDirectory]" = weakref.WeakValueDictionary()
 
     def __init__(self, root: str | os.PathLike[str], config: dict[str, Any] | None = None) -> None:
-        self.root = Path(root)
+        url = split_url(root)
+        if url is not None and url[0] != "file":
+            # Run directories are local (loggers append to open files); never a local directory named "s3:".
+            raise ConfigurationError(
+                "logging.dir",
+                f"{str(root)!r} is a {url[0]}:// URL; run directories are written on a local file system",
+                "give a local path (copy it to object storage afterwards, e.g. `aws s3 sync`)",
+            )
+        self.root = Path("/" + url[1]) if url is not None else Path(root)
         #: The resolved configuration to record (a ``unison train`` config); ``None``: the trainer's settings.
         self.config = config
         self.path: Path | None = None
