@@ -27,6 +27,10 @@ Design: stage locally, upload, commit by writing the manifest last.
   (:meth:`FsspecStorage.localize`); the files a rank hashed to verify it are
   kept there, keyed by their ETag, so each rank downloads each file once.
 * Listings are never cached: other ranks and other runs write the bucket.
+* Local disk: staging directories and the download cache live under
+  ``$TMPDIR``; a staging directory is deleted once uploaded, the cache when
+  the process exits. Each rank needs room for the files it writes and, when
+  resuming, for one copy of the checkpoint.
 
 Configuration is s3fs's and botocore's own: ``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``, fsspec's
@@ -41,6 +45,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import uuid
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -119,7 +124,7 @@ class FsspecStorage(LocalStorage):
             "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) to credentials the server accepts, "
             "and AWS_ENDPOINT_URL for a server other than AWS"
         )
-        probe = f"{key}/.unison-probe-{os.getpid()}"
+        probe = f"{key}/.unison-probe-{uuid.uuid4().hex}"  # unique: every rank of every node probes at once
         try:
             self.fs.ls(bucket, detail=False)
             self.fs.pipe_file(probe, b"unison write probe\n")
