@@ -96,7 +96,13 @@ def test_ddp_checkpoint_resumes_under_single(world, reference):
 
 def test_gradient_sync_skipped_on_non_boundary_micro_steps(world):
     counts = world[0]["allreduce_counts"]
-    # accumulation 4 runs 4x the backward passes but the same number of bucket
-    # all-reduces as accumulation 1: no_sync() really skipped 3 of 4.
+    steps = 3
+    # accumulation 4 runs 4x the backward passes but the same number of
+    # all-reduces as accumulation 1 (the reducer's bucket, the trainer's loss
+    # reduction and stop agreement): no_sync() really skipped 3 of 4.
     assert counts[4] == counts[1]
-    assert counts[1] > 0
+    # The tiny model is one DDP bucket: per step 1 gradient all-reduce, 1 loss
+    # reduction and 1 stop agreement; a no_sync that defers nothing adds the
+    # bucket all-reduce of the 3 non-boundary micro-steps.
+    assert counts[1] == 3 * steps
+    assert counts["broken"] == counts[4] + 3 * steps
