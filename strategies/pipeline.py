@@ -275,6 +275,39 @@ _PIPELINE_REFUSALS = {
 }
 
 
+def _buffer_keeping_stage(pipelining: Any) -> type:
+    """``PipelineStage`` whose one-time shape inference leaves the stage's buffers as they were.
+
+    Before its first step torch runs each stage's forward once, in training
+    mode, to infer the shapes it sends (``_forward_metadata_inference``: on the
+    first micro-batch at stage 0, on uninitialised tensors of the right shape
+    at the others). A forward that updates buffers (BatchNorm's running
+    statistics and ``num_batches_tracked``) would keep that extra update, taken
+    from garbage memory or from the first micro-batch twice, which no other
+    backend makes; the buffers are therefore restored after it. Restored by
+    putting the saved copies in place of the buffer tensors, not by copying
+    into them: torch backpropagates through that inference graph next (to
+    infer gradient shapes), and an in-place write to a tensor it saved would
+    fail its version check.
+    """
+    base = pipelining.PipelineStage
+    if not hasattr(base, "_forward_metadata_inference"):  # the torch pinned in pyproject has it
+        raise RuntimeError("torch.distributed.pipelining.PipelineStage has no _forward_metadata_inference; "
+                           "strategy 'pipeline' needs torch 2.13")
+
+    class BufferKeepingStage(base):  # type: ignore[misc,valid-type]  # a class from the lazy import
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            saved = [(m, name, b.detach().clone()) for m in self.submod.modules()
+                     for name, b in m._buffers.items() if b is not None]
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                for module, name, value in saved:
+                    module._buffers[name] = value
+
+    return BufferKeepingStage
+
+
 class _StageForward(torch.nn.Module):
     """Runs one stage inside the trainer's precision context.
 
@@ -459,8 +492,9 @@ class PipelineStrategy(Strategy):
         self._param_order = {name: i for i, (name, _) in enumerate(module.named_parameters())}
         self._runners = [_StageForward(chunks[k]) for k in self._mine]
         self._n = settings.accumulate_grad_batches
+        stage_class = _buffer_keeping_stage(pipelining)
         self.pipe_stages = [
-            pipelining.PipelineStage(runner, k, self.chunks, env.device, group=self._pp_group)
+            stage_class(runner, k, self.chunks, env.device, group=self._pp_group)
             for k, runner in zip(self._mine, self._runners)
         ]
         schedule_cls = getattr(pipelining, SCHEDULES[o.schedule][0])

@@ -46,6 +46,17 @@ def overflow_data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
+def batchnorm_model() -> torch.nn.Sequential:
+    """An MLP with a real BatchNorm1d (batch statistics, running statistics, num_batches_tracked)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+def batchnorm_run(strategy: str) -> dict[str, Any]:
+    # 2 stages and no data parallelism: every BatchNorm sees whole micro-batches, as in one process.
+    return train(strategy, model=batchnorm_model(), max_steps=3)
+
+
 def with_validation(strategy: str, **settings: Any) -> dict[str, Any]:
     log = MetricLog()
     run = train(strategy, val=validation_data(), val_every_n_steps=10, loggers=[log], **settings)
@@ -71,6 +82,7 @@ def pipeline_world_scenarios() -> dict[str, Any]:
     out["1f1b"] = with_validation("pipeline", strategy_options={"schedule": "1f1b"})
     if world == 2:
         out.update(mixed_precision_runs("pipeline"))
+        out["batchnorm"] = batchnorm_run("pipeline")
     # Checkpoints: pipeline -> ddp and ddp -> pipeline, 10 steps under one, 10 under the other.
     a = _shared_dir("unison-pp-to-ddp-")
     train("pipeline", max_steps=10, checkpoint_dir=a)
