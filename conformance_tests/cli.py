@@ -9,11 +9,18 @@ Example::
 
     unison conformance --strategy ddp,fsdp --world-size 2 --report ./conformance-report
 
-Exit status: 0 when every strategy that claims conformance passed every
-scenario it supports; 1 when any such scenario failed. Strategies unavailable
-here are reported as skipped, declared-unsupported scenarios as unsupported,
-and failures of strategies whose ownership declares them non-conformant are
-shown but do not change the exit status.
+The first lines printed are the certificates: ``certified`` (it ran, no
+scenario failed, at least one training scenario was proven) or ``not certified``
+with the reason.
+
+Exit status: 0 when no strategy that claims conformance failed a scenario; 1
+when any such scenario failed. A refusal counts only when the strategy's
+declaration refuses something the scenario needs ("declared out"); any other
+refusal is a failure. Strategies unavailable here are reported as skipped, and
+failures of strategies whose ownership declares them non-conformant are shown
+but do not change the exit status. ``--require-certified`` also exits 1 when a
+strategy that ran is not certified (e.g. nothing proven: every scenario
+declared out).
 """
 
 from __future__ import annotations
@@ -50,8 +57,11 @@ def _command() -> Any:
                   help="Import and register these modules as plugins (third-party strategies not installed).")
     @click.option("--timeout", type=float, default=300.0, show_default=True,
                   help="Seconds one world may take before it is killed.")
+    @click.option("--require-certified", is_flag=True,
+                  help="Exit 1 unless every strategy that ran is certified (not only when one failed).")
     def conformance(strategies: tuple[str, ...], world_size: int, report_dir: str | None,
-                    scenarios: tuple[str, ...], plugins: tuple[str, ...], timeout: float) -> None:
+                    scenarios: tuple[str, ...], plugins: tuple[str, ...], timeout: float,
+                    require_certified: bool) -> None:
         """Run the conformance suite: each strategy against the single-process reference."""
         from rich.console import Console
         from unison.conformance.report import certify
@@ -79,7 +89,13 @@ def _command() -> Any:
         report.print_table(console)
         if report_dir:
             console.print(f"report: {os.path.join(report_dir, 'report.html')} and report.json")
-        raise SystemExit(report.exit_code)
+        code = report.exit_code
+        if require_certified:
+            uncertified = [c.strategy for c in report.certificates() if not c.certified and c.skipped is None]
+            if uncertified:
+                console.print(f"[red]not certified: {', '.join(uncertified)}[/red]")
+                code = 1
+        raise SystemExit(code)
 
     return conformance
 

@@ -12,9 +12,10 @@ is unnecessary. A strategy not installed as an entry point can be named with
 ``--unison-plugin module`` (or ``UNISON_PLUGINS=module``).
 
 Outcomes: a passing scenario passes; a failing one fails with every divergence
-(scenario, run, quantity, step, expected, got); a scenario the strategy
-declares unsupported, or a strategy unavailable on the machine, is *skipped*
-with the reason (never passed); a strategy whose ownership declares it
+(scenario, run, quantity, step, expected, got) and the likely broken rule; a
+scenario the strategy refused and declares refused ("declared out"), or a
+strategy unavailable on the machine, is *skipped* with the reason (never
+passed); a strategy whose ownership declares it
 non-conformant is still run, and its failures are reported as ``xfail`` with
 the divergence as the reason.
 
@@ -90,11 +91,13 @@ class ConformanceSession:
         result = self.results[strategy]
         if v.status == "skipped":
             pytest.skip(f"strategy {strategy!r} skipped: {v.reason}")
-        if v.status == "unsupported":
-            pytest.skip(f"unsupported by {strategy!r}: {v.reason}")
+        if v.status == "declared_out":
+            pytest.skip(f"declared out by {strategy!r}: {v.reason}")
         if v.status == "fail":
             lines = [d.message() for d in v.divergences] or [v.reason or "failed"]
             text = f"{strategy} / {scenario}: {len(lines)} divergence(s)\n  " + "\n  ".join(lines[:30])
+            if v.diagnosis is not None:
+                text += f"\nlikely cause: {v.diagnosis.message()}"
             if result.non_conformant:
                 pytest.xfail(f"declared non-conformant ({result.non_conformant}); {lines[0]}")
             pytest.fail(text, pytrace=False)
