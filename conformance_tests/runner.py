@@ -307,6 +307,10 @@ def _profile(enabled: bool) -> Iterator[list[Any]]:
         return
     from torch.profiler import ProfilerActivity, profile
 
+    # Kineto prints two "USDT ... profiler_start/stop" lines per profiled run
+    # on stderr; a suite profiles every run on every rank. Read when the
+    # profiler starts, so setting it here is enough; a user's setting wins.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     with profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=False) as prof:
         yield out
     out.append(prof)
