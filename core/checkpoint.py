@@ -9,11 +9,12 @@ Layout under ``checkpoint_dir``::
       meta.json              written last: strategy, world size, step, format
     latest                   text file naming the newest committed checkpoint
 
-Template method: the public :meth:`Checkpointer.save` and :meth:`Checkpointer.load`
-hold the rules that must never vary (write into a ``.partial`` directory, barrier,
-commit with one ``rename``, then move ``latest`` with ``os.replace``); the ``_write``
-and ``_read`` hooks do the I/O. The rules live in one place because a crash at
-any point must leave the previous checkpoint, and ``latest``, untouched.
+Template method: the public :meth:`Checkpointer.save` holds the rules that must
+never vary (write into a ``.partial`` directory, barrier, commit with one
+``rename``, then move ``latest`` with ``os.replace``) and :meth:`Checkpointer.resolve`
+finds only committed checkpoints; the ``_write``, ``_point_latest`` and ``_prune``
+hooks do the I/O. The rules live in one place because a crash at any point must
+leave the previous checkpoint, and ``latest``, untouched.
 """
 
 from __future__ import annotations

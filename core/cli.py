@@ -1,6 +1,7 @@
 """The ``unison`` command line.
 
 * ``unison strategies`` – every registered strategy, available or not (with why).
+* ``unison precisions`` – every registered precision plugin, available or not (with why).
 * ``unison describe NAME`` – the strategy's ownership declaration.
 * ``unison run --nproc N [TORCHRUN_OPTION=VALUE ...] script.py [ARGS]`` – torchrun.
 * ``unison train CONFIG [--strategy NAME] [--nproc N]`` – train from a config file.
@@ -40,11 +41,32 @@ def strategies() -> None:
     for col in ("name", "aliases", "available", "description"):
         table.add_column(col)
     for spec in pm.strategies.specs():
+        # Plugin text is not markup: rich would eat "[deepspeed]" in an install hint.
         table.add_row(
-            spec.name,
-            ", ".join(spec.aliases) or "-",
-            "yes" if spec.unavailable is None else f"no: {spec.unavailable}",
-            spec.description,
+            escape(spec.name),
+            escape(", ".join(spec.aliases) or "-"),
+            "yes" if spec.unavailable is None else escape(f"no: {spec.unavailable}"),
+            escape(spec.description),
+        )
+    console.print(table)
+
+
+@cli.command()
+def precisions() -> None:
+    """List registered precision plugins and their availability.
+
+    A strategy uses a precision plugin only where its declaration says the
+    trainer or a plugin applies that precision (``unison describe NAME``).
+    """
+    pm = PluginManager()
+    table = Table(title="unison precisions")
+    for col in ("name", "available", "description"):
+        table.add_column(col)
+    for spec in pm.precisions.specs():
+        table.add_row(
+            escape(spec.name),
+            "yes" if spec.unavailable is None else escape(f"no: {spec.unavailable}"),
+            escape(spec.description),
         )
     console.print(table)
 
@@ -56,10 +78,10 @@ def describe(name: str) -> None:
     pm = PluginManager()
     spec, options = pm.strategies.resolve(name)
     if spec.unavailable:
-        console.print(f"[yellow]{name}: unavailable here: {spec.unavailable}[/]")
+        console.print(f"[yellow]{escape(name)}: unavailable here: {escape(spec.unavailable)}[/]")
     strategy = spec.factory(**options.model_dump())
     d = strategy.ownership.to_dict()
-    console.print(f"[bold]{name}[/]  {spec.description}")
+    console.print(f"[bold]{escape(name)}[/]  {escape(spec.description)}")
     console.print(f"options: {options.model_dump()}")
     ga = d["grad_accumulation"]
     sync = f" (gradients synchronised: {ga['sync']})" if ga["owner"] == "trainer" else ""
@@ -98,7 +120,7 @@ def describe(name: str) -> None:
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--nproc", type=int, default=1, show_default=True, help="Processes on this node.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Processes on this node.")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def run(nproc: int, args: tuple[str, ...]) -> None:
     """Run a training script under torchrun: ``unison run --nproc 2 train.py --lr 1e-3``.
@@ -118,11 +140,11 @@ def run(nproc: int, args: tuple[str, ...]) -> None:
 @cli.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 @click.option("--strategy", default=None, help="Override [trainer] strategy.")
-@click.option("--nproc", type=int, default=1, show_default=True, help="Processes on this node.")
-@click.option("--max-steps", type=int, default=None, help="Override [trainer] max_steps.")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Processes on this node.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Override [trainer] max_steps.")
 def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) -> None:
     """Train from a TOML or YAML CONFIG (see unison.config for the layout)."""
-    from unison.config import load_config
+    from unison.config import load_config, resolve_run
     from unison.trainer import build_strategy
 
     overrides: dict[str, Any] = {}
@@ -130,10 +152,13 @@ def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) 
         overrides["strategy"] = strategy
     if max_steps is not None:
         overrides["max_steps"] = max_steps
-    run_config, _ = load_config(config, overrides)
+    run_config, base = load_config(config, overrides)
     if nproc > 1 and "LOCAL_RANK" not in os.environ:
         # Validate before any worker or process group starts, then relaunch.
-        build_strategy(run_config.trainer, PluginManager(), nproc)
+        pm = PluginManager()
+        build_strategy(run_config.trainer, pm, nproc)
+        resolve_run(run_config, base)  # every factory, file and keyword
+        _config_plugins(run_config, base, pm)  # loggers and callbacks: constructing them checks their options
         # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
         argv = ["train", config, *(["--strategy", strategy] if strategy else []),
                 *(["--max-steps", str(max_steps)] if max_steps is not None else [])]
@@ -142,20 +167,20 @@ def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) 
 
 
 def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
-    from unison.config import load_config, optimizer_factory, resolve_factory, scheduler_factory
+    from unison.config import load_config, resolve_run
     from unison.trainer import Trainer
 
     config, base = load_config(config_path, overrides)
+    run = resolve_run(config, base)
     pm = PluginManager()
-    trainer = Trainer(plugin_manager=pm, callbacks=[p for ps in pm.hook.unison_plugins_from_config(config=config) for p in ps],
-                      **config.trainer.model_dump())
-    model = resolve_factory(config.model.factory, base)(**config.model.kwargs)
-    train_ds, val_ds = resolve_factory(config.data.factory, base)(**config.data.kwargs)
+    trainer = Trainer(plugin_manager=pm, callbacks=_config_plugins(config, base, pm), **config.trainer.model_dump())
+    train_ds, val_ds = run["data"](**config.data.kwargs)
     progress = trainer.fit(
-        model, train_ds,
-        loss_fn=resolve_factory(config.loss.factory, base),
-        optimizer=optimizer_factory(config.optimizer),
-        lr_scheduler=scheduler_factory(config.scheduler),
+        # A factory: the trainer seeds before building, so reruns and ranks start alike.
+        run["model"], train_ds,
+        **run["form"],
+        optimizer=run["optimizer"],
+        lr_scheduler=run["lr_scheduler"],
         val_dataset=val_ds,
     )
     if trainer.is_global_zero:
@@ -167,10 +192,17 @@ def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
             console.print(f"checkpoint: {trainer.checkpointer.latest()}")
 
 
+def _config_plugins(config: Any, base: Any, pm: PluginManager) -> list[Any]:
+    """Plugins a config asks for: ``[logging]`` etc. through ``unison_plugins_from_config``, then ``[[callbacks]]``."""
+    from unison.config import build_callbacks
+
+    return pm.unison_plugins_from_config(config=config) + build_callbacks(config, base)
+
+
 def main(argv: list[str] | None = None) -> None:
-    pm = PluginManager()
-    pm.hook.unison_add_cli_commands(cli=cli)
     try:
+        # Inside the try: a broken plugin is reported like any other error.
+        PluginManager().unison_add_cli_commands(cli=cli)
         cli.main(args=argv, prog_name="unison", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
@@ -180,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         sys.exit(1)
     except UnisonError as exc:
-        console.print(f"[red]error:[/] {exc}", highlight=False)
+        # escape: messages name extras like unison[tensorboard], which rich would read as markup
+        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(2)
 
 

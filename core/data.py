@@ -43,6 +43,7 @@ Collation
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
 from collections.abc import Iterable, Iterator
@@ -277,13 +278,35 @@ class _StreamMicroBatches(IterableDataset):
     def __iter__(self) -> Iterator[tuple[int, int, int, Any]]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        for step, epoch, samples in stream_global_batches(self.source, self.global_batch_size, self.end_step,
-                                                          self.end_epoch):
-            if step < self.start_step:
-                continue
-            for m, part in enumerate(local_slices(samples, self.accumulate, self.replicas, self.rank)):
-                if (step * self.accumulate + m) % workers == worker:
-                    yield step, epoch, m, self.collate_fn(part)
+        with _whole_stream_reader():
+            for step, epoch, samples in stream_global_batches(self.source, self.global_batch_size, self.end_step,
+                                                              self.end_epoch):
+                if step < self.start_step:
+                    continue
+                for m, part in enumerate(local_slices(samples, self.accumulate, self.replicas, self.rank)):
+                    if (step * self.accumulate + m) % workers == worker:
+                        yield step, epoch, m, self.collate_fn(part)
+
+
+@contextlib.contextmanager
+def _whole_stream_reader() -> Iterator[None]:
+    """Hide the loader worker's identity from the source while it is read.
+
+    Sources such as Hugging Face's ``IterableDataset`` shard themselves by
+    DataLoader worker when they see one (``get_worker_info()``); here every
+    worker must read the whole stream to keep the global order, so they must
+    not. ``torch.utils.data._utils.worker._worker_info`` is the value
+    ``get_worker_info()`` returns (torch 2.13; a private name, checked by the
+    tests with a real Hugging Face streaming dataset and 2 workers).
+    """
+    from torch.utils.data._utils import worker
+
+    saved = worker._worker_info
+    worker._worker_info = None
+    try:
+        yield
+    finally:
+        worker._worker_info = saved
 
 
 def stream_global_batches(source: Any, global_batch_size: int, end_step: int | None = None,

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``" (did you mean 'ddp'?)"`` for the closest of ``known`` names, or ``""`` when none is close."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
 
 class UnisonError(Exception):
     """Base class of every error unison raises on purpose."""

@@ -12,25 +12,47 @@ Conventions (shared by all hooks below):
 * Lifecycle hooks return ``None``; their return values are ignored. Hooks with
   a meaningful result say so under "Returns".
 
-The order of one ``fit`` call, identical for every strategy::
+The order of one ``fit`` call, identical for every strategy. A bracketed
+line fires only when the condition beside it holds (all of its hooks, in that
+order); ``each optimizer step:`` repeats its indented block once per optimizer
+step. ``tests/test_hook_order.py`` checks a real run against this block, and
+README.md's "Hooks" section repeats it::
 
     unison_on_fit_start
-    (unison_on_load_checkpoint)              # when resuming
-    repeat per epoch:
-      unison_on_train_epoch_start
-      repeat per optimizer step:
-        unison_on_train_step_start
-        unison_on_after_backward             # once, after the last micro-batch
-        unison_on_before_optimizer_step      # once, with the global grad norm
-        unison_on_after_optimizer_step       # once; says whether it was skipped
-        unison_on_train_step_end
-        unison_log_metrics                   # every log_every_n_steps
-        (unison_on_validation_start, unison_on_validation_end, unison_log_metrics)
-        (unison_on_save_checkpoint)          # every checkpoint_every_n_steps
-      unison_on_train_epoch_end
-    (unison_on_save_checkpoint)              # final checkpoint, when a dir is set
+    [unison_on_load_checkpoint]                  resuming (ckpt_path given)
+    each optimizer step:
+      [unison_on_train_epoch_start]              first step of an epoch, or of a resumed run
+      unison_on_train_step_start
+      unison_on_after_backward                   once, after the last micro-batch
+      unison_on_before_optimizer_step            once, with the global grad norm
+      unison_on_after_optimizer_step             once; says whether the update was skipped
+      unison_on_train_step_end
+      [unison_log_metrics]                       every log_every_n_steps
+      [unison_on_train_epoch_end]                last step of an epoch
+      [unison_on_validation_start, unison_on_validation_end, unison_log_metrics]
+                                                 every val_every_n_steps (with a val_dataset)
+      [unison_on_save_checkpoint]                every checkpoint_every_n_steps (with a checkpoint_dir)
+    [unison_on_validation_start, unison_on_validation_end, unison_log_metrics]
+                                                 with a val_dataset, unless the last step validated
+    [unison_on_save_checkpoint]                  with a checkpoint_dir, unless the last step saved
+    [unison_log_metrics]                         trainer.log() values not yet sent
     unison_on_fit_end
-    (unison_on_exception)                    # instead of the rest, on a crash
+
+Outside this order: ``unison_default_plugins`` and ``unison_on_trainer_init``
+run once, in ``Trainer(...)``; ``unison_validation_progress`` ticks after each
+validation batch between ``unison_on_validation_start`` and
+``unison_on_validation_end`` (its count depends on the data-parallel size, so
+it is not part of the order every backend shares).
+
+A plugin that sets ``trainer.should_stop`` ends the loop after the current
+step's validation and checkpoint; the final validation and checkpoint then do
+not run again for that step. The flag may be set on any subset of ranks (a
+per-rank wall-clock limit sets it on one): at every step boundary the trainer
+combines every rank's flag (logical OR, on a CPU process group), so all ranks
+stop after the same step. Stop decisions the trainer makes itself (a
+non-finite loss or gradient, preemption) are agreed the same way or computed
+from values identical on every rank. When ``fit`` fails, ``unison_on_exception``
+fires instead of the rest, on the failing rank.
 """
 
 from __future__ import annotations
@@ -45,7 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 # --------------------------------------------------------------------------- #
-# Registration: called once per plugin manager, before any Trainer exists.
+# Registration: called by the plugin manager when a registry is first needed.
 # --------------------------------------------------------------------------- #
 
 
@@ -53,8 +75,11 @@ if TYPE_CHECKING:  # pragma: no cover
 def unison_strategies() -> "list[StrategySpec]":
     """Register strategies by name.
 
-    Called by :class:`~unison.registry.StrategyRegistry` when it is first
-    built (on any rank, before any process group), once per plugin.
+    Called by :class:`~unison.manager.PluginManager` through pluggy when its
+    strategy registry is first needed and again after any plugin is registered
+    or unregistered (on any rank, before any process group): once per
+    implementing plugin, each call wrapped by every ``wrapper=True``
+    implementation, so the specs stay attributable to their plugin.
 
     Returns:
         A list of :class:`~unison.registry.StrategySpec`, each naming one
@@ -66,11 +91,13 @@ def unison_strategies() -> "list[StrategySpec]":
 
 @hookspec
 def unison_precisions() -> "list[PrecisionSpec]":
-    """Register precision plugins by name (``"bf16-mixed"``, ``"apex-O1"``...).
+    """Register precision plugins by name (``"bf16-mixed"``, or a third party's own name).
 
-    Called by :class:`~unison.registry.PrecisionRegistry` when it is first
-    built, once per plugin. The trainer uses a registered precision only when
-    the strategy declares the precision applied by the trainer or a plugin.
+    Called by :class:`~unison.manager.PluginManager` like
+    :func:`unison_strategies` (on any rank, before any process group, once
+    per registering plugin), for its precision registry. The trainer uses a
+    registered precision only when the strategy declares the precision
+    applied by the trainer or a plugin.
 
     Returns:
         A list of :class:`~unison.registry.PrecisionSpec`.
@@ -81,8 +108,8 @@ def unison_precisions() -> "list[PrecisionSpec]":
 def unison_add_cli_commands(cli: Any) -> None:
     """Add subcommands to the ``unison`` command line.
 
-    Called once by :func:`unison.cli.main` before parsing arguments, with the
-    root :class:`click.Group`; add commands with ``cli.add_command(...)``. The
+    Called once by :func:`unison.cli.main` before parsing arguments (in the
+    launching process, before any rank exists), with the root :class:`click.Group`; add commands with ``cli.add_command(...)``. The
     conformance suite adds ``unison conformance`` this way, so the core never
     imports it. Return value ignored.
     """
@@ -92,7 +119,8 @@ def unison_add_cli_commands(cli: Any) -> None:
 def unison_plugins_from_config(config: Any) -> "list[Any]":
     """Build plugins (loggers, callbacks) that a config file asks for.
 
-    Called by ``unison train`` once per process, after the config file was
+    Called by ``unison train`` once per process (every rank, and the launcher
+    to check the config before it starts workers), after the config file was
     validated and before the Trainer is built, with the
     :class:`~unison.config.RunConfig`. The JSONL logger and the progress
     display read ``config.logging`` this way, so the core never imports them.
@@ -147,8 +175,9 @@ def unison_on_train_epoch_start(trainer: "Trainer", epoch: int) -> None:
 def unison_on_train_epoch_end(trainer: "Trainer", epoch: int) -> None:
     """After the last optimizer step of an epoch, on every rank.
 
-    Called by :meth:`Trainer.fit` after that step's ``unison_on_train_step_end``;
-    not called for an epoch cut short by ``max_steps``.
+    Called by :meth:`Trainer.fit` after that step's ``unison_on_train_step_end``
+    and metrics, before that step's validation and checkpoint; not called for
+    an epoch cut short by ``max_steps`` or ``should_stop``.
     """
 
 
@@ -203,7 +232,7 @@ def unison_on_train_step_end(trainer: "Trainer", step: int, output: "StepOutput"
     ``output`` holds the global-batch mean loss, each micro-batch's loss (the
     same numbers on every rank), the grad norm, the learning rates and whether
     the step was skipped. A plugin may set ``trainer.should_stop = True`` here
-    to end training after this step.
+    (on one rank or on all) to end training after this step on every rank.
     """
 
 
@@ -217,8 +246,8 @@ def unison_on_validation_start(trainer: "Trainer", step: int) -> None:
     """Before the validation loop that follows optimizer step ``step``, on every rank.
 
     Called by :meth:`Trainer.validate`: every ``val_every_n_steps`` and once at
-    the end of ``fit`` when a ``val_dataset`` is given. The model is put in
-    eval mode right after this hook.
+    the end of ``fit`` when a ``val_dataset`` is given (unless the last step
+    was just validated). The model is put in eval mode right after this hook.
     """
 
 
@@ -227,7 +256,7 @@ def unison_on_validation_end(trainer: "Trainer", step: int, metrics: "dict[str, 
     """After the validation loop, on every rank.
 
     Called by :meth:`Trainer.validate`, before the metrics go to
-    ``unison_log_metrics``.
+    ``unison_log_metrics``; ``step`` is the number of optimizer steps completed.
 
     ``metrics["val/loss"]`` is the mean loss over the whole validation set,
     reduced across ranks (the same value on every rank and every backend).
@@ -244,7 +273,8 @@ def unison_on_save_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") 
     """While a checkpoint is written, before it is committed, on every rank.
 
     Called by :meth:`Trainer.save_checkpoint` (every
-    ``checkpoint_every_n_steps`` and at the end of ``fit``) after the strategy
+    ``checkpoint_every_n_steps`` and at the end of ``fit``, unless the last
+    step was just saved) after the strategy
     wrote its files and before the checkpoint directory is renamed into place;
     an exception here leaves the previous checkpoint as the latest.
 
@@ -260,8 +290,8 @@ def unison_on_load_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") 
     """When ``fit`` resumes, after model, optimizer and progress were restored.
 
     Called by :meth:`Trainer.fit` (given ``ckpt_path``) after
-    ``unison_on_fit_start``, on every rank, with the dict rank 0 saved (see
-    :func:`unison_on_save_checkpoint`).
+    ``unison_on_fit_start``, on every rank; ``checkpoint`` is the dict rank 0
+    saved (see :func:`unison_on_save_checkpoint`).
     """
 
 
@@ -278,4 +308,61 @@ def unison_log_metrics(trainer: "Trainer", metrics: "dict[str, float]", step: in
     reduced); loggers that write files should write on
     ``trainer.is_global_zero`` only. ``step`` is the number of optimizer steps
     completed (1-based), the x-axis of every plot.
+    """
+
+
+# --------------------------------------------------------------------------- #
+# Observability: default plugins, settings checks, validation progress.
+# --------------------------------------------------------------------------- #
+
+
+@hookspec
+def unison_default_plugins(settings: Any, plugins: "list[Any]") -> "list[Any]":
+    """Plugins every Trainer gets unless its settings turn them off.
+
+    Called by :class:`~unison.Trainer` once, in its constructor (on every
+    rank, before any process group exists), after the plugins passed as
+    ``callbacks=``/``loggers=`` were registered. This is how the Python API
+    gets a progress display (``settings.progress``) and throughput metrics
+    (``settings.throughput``) without the core importing any plugin.
+
+    Args:
+        settings: the Trainer's :class:`~unison.TrainerSettings`.
+        plugins: the plugins the Trainer was given explicitly; an
+            implementation returns nothing for a kind the user already passed
+            (their own ``ProgressBar(...)`` replaces the default one).
+
+    Returns:
+        Plugin objects to register on this Trainer (may be empty).
+    """
+
+
+@hookspec
+def unison_on_trainer_init(trainer: "Trainer") -> None:
+    """Check, before any process group exists, what a plugin needs from the settings.
+
+    Called by :class:`~unison.Trainer` once, at the end of its constructor, on
+    every rank, after every plugin (default ones included) is registered and
+    the strategy is built. ``trainer.settings`` and ``trainer.ownership`` are
+    final; there is no model, optimizer or process group yet. A plugin raises
+    :class:`~unison.ConfigurationError` here for settings it cannot work with
+    (``ModelCheckpoint`` without ``checkpoint_dir``), so bad input fails
+    before any worker starts training. Return value ignored.
+    """
+
+
+@hookspec
+def unison_validation_progress(trainer: "Trainer", step: int, batch_idx: int, num_batches: "int | None") -> None:
+    """After each validation forward, for progress displays.
+
+    Called by :meth:`Trainer.validate` on every rank, after batch
+    ``batch_idx`` (0-based) of the validation loop that follows optimizer step
+    ``step``, between :func:`unison_on_validation_start` and
+    :func:`unison_on_validation_end`. ``num_batches`` is the number of
+    forwards this rank runs in the loop (``None`` when the dataset does not
+    say). ``val_batch_size`` counts samples per replica, so the number of
+    calls depends on the data-parallel size: this hook is a progress report,
+    not part of the lifecycle sequence that is identical on every backend
+    (hence no ``on_`` in its name). Must not do collective work. Return value
+    ignored.
     """

@@ -59,9 +59,15 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, backend: str, f
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
+    import multiprocessing
+
     import torch
     import torch.distributed as dist
 
+    # A rank started here must behave like one torchrun starts: the platform's
+    # default start method for its own children (DataLoader workers), not the
+    # "spawn" this world was created with (which re-imports torch per worker).
+    multiprocessing.set_start_method("fork" if sys.platform == "linux" else "spawn", force=True)
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     path = Path(out_dir) / f"rank-{rank}.pkl"
     try:
@@ -88,7 +94,9 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 600.0
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="unison-world-") as out_dir:
         procs = [
-            ctx.Process(target=_worker, args=(r, nproc, port, out_dir, backend, fn, args), daemon=True)
+            # Not daemonic: a rank may start DataLoader workers (daemonic
+            # processes cannot have children); the finally below kills them all.
+            ctx.Process(target=_worker, args=(r, nproc, port, out_dir, backend, fn, args), daemon=False)
             for r in range(nproc)
         ]
         for p in procs:

@@ -1,4 +1,4 @@
-"""A typed facade over :class:`pluggy.PluginManager`.
+"""The plugin manager: pluggy underneath, a typed facade on top.
 
 Registration order, the same for every manager:
 
@@ -6,14 +6,27 @@ Registration order, the same for every manager:
 2. every plugin published under the ``unison`` entry-point group, built-ins
    included (unison's own strategies are entry points of the ``unison``
    distribution: there is no second, import-side-effect path);
-3. plugins given explicitly (a Trainer's callbacks and loggers);
-4. :meth:`pluggy.PluginManager.check_pending`, so a hook implementation that
-   matches no specification is an error, not a silently ignored function.
+3. the modules named in ``UNISON_PLUGINS=mod1,mod2`` (a module already loaded
+   through its entry point is not registered twice);
+4. plugins given explicitly (a Trainer's callbacks and loggers);
+5. :meth:`PluginManager.check_pending`, so a hook implementation that matches
+   no specification is an error, not a silently ignored function.
 
 ``UNISON_DISABLE_PLUGIN_AUTOLOAD=1`` skips third-party entry points (only the
-``unison`` distribution's own load) and ``UNISON_PLUGINS=mod1,mod2`` then
-names modules to load explicitly, as pytest does. ``UNISON_BLOCK_PLUGINS=a,b``
-(or ``blocked=``) blocks plugins by name.
+``unison`` distribution's own load), as ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``
+does for pytest; ``UNISON_BLOCK_PLUGINS=a,b`` (or ``blocked=``) blocks plugins
+by name.
+
+Every hook goes through pluggy, registration hooks included: wrappers
+(``@hookimpl(wrapper=True)``) and hook-call monitoring see every call. The
+strategy and precision registries are built from the registration hooks on
+first use and rebuilt after any :meth:`PluginManager.register` or
+:meth:`PluginManager.unregister`, so a plugin registered late is found.
+
+The trainer calls lifecycle hooks through the typed methods below (one per
+hookspec, named after it, keyword arguments as in the spec), as tox 4 does:
+a misspelt hook or argument is then an error in the caller's editor and at
+import, not a hook call that silently reaches no implementation.
 """
 
 from __future__ import annotations
@@ -22,7 +35,8 @@ import contextlib
 import importlib
 import importlib.metadata
 import os
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -30,6 +44,11 @@ from unison import hookspecs
 from unison.errors import PluginError
 from unison.plugin import PROJECT_NAME
 from unison.registry import PrecisionRegistry, StrategyRegistry
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from unison.trainer import StepOutput, Trainer
 
 ENTRY_POINT_GROUP = "unison"
 DISABLE_AUTOLOAD_ENV = "UNISON_DISABLE_PLUGIN_AUTOLOAD"
@@ -53,18 +72,17 @@ class PluginManager:
     ) -> None:
         self._pm = pluggy.PluginManager(PROJECT_NAME)
         self._pm.add_hookspecs(hookspecs)
+        self._strategies: StrategyRegistry | None = None
+        self._precisions: PrecisionRegistry | None = None
         for name in [*blocked, *_env_list(BLOCK_ENV)]:
             self._pm.set_blocked(name)
         if autoload is None:
             autoload = os.environ.get(DISABLE_AUTOLOAD_ENV, "") in ("", "0")
         self._load_entry_points(third_party=autoload)
-        for module_name in _env_list(PLUGINS_ENV):
-            self.register(importlib.import_module(module_name), name=module_name)
+        self._load_env_plugins()
         for plugin in plugins:
             self.register(plugin)
         self.check_pending()
-        self._strategies: StrategyRegistry | None = None
-        self._precisions: PrecisionRegistry | None = None
 
     # -- registration ------------------------------------------------------ #
     def _load_entry_points(self, *, third_party: bool) -> None:
@@ -80,17 +98,46 @@ class PluginManager:
                 raise PluginError(f"plugin {ep.name!r} (entry point {ep.value!r}) failed to import: {exc}") from exc
             self.register(plugin, name=ep.name)
 
+    def _load_env_plugins(self) -> None:
+        for module_name in _env_list(PLUGINS_ENV):
+            if self._pm.is_blocked(module_name):
+                continue
+            try:
+                module = importlib.import_module(module_name)
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin module {module_name!r} named in {PLUGINS_ENV} failed to import: {exc}"
+                ) from exc
+            # Named here and also installed: its entry point already registered
+            # this very module, and registering an object twice is an error.
+            if self._pm.is_registered(module):
+                continue
+            self.register(module, name=module_name)
+
     def register(self, plugin: Any, name: str | None = None) -> str | None:
-        """Register ``plugin``; a wrong hook signature is a :class:`PluginError`."""
+        """Register ``plugin``; a wrong hook signature or a taken name is a :class:`PluginError`.
+
+        Returns the name it was registered under, or ``None`` when the name is blocked.
+        """
         try:
-            return self._pm.register(plugin, name=name)
+            registered = self._pm.register(plugin, name=name)
         except pluggy.PluginValidationError as exc:
             raise PluginError(self._describe(exc)) from None
-        except ValueError as exc:  # already registered
+        except ValueError as exc:  # the object or the name is already registered
             raise PluginError(str(exc)) from None
+        self._invalidate()
+        return registered
 
-    def unregister(self, plugin: Any) -> None:
-        self._pm.unregister(plugin)
+    def unregister(self, plugin: Any = None, name: str | None = None) -> Any:
+        """Remove a plugin (by object or by name); its strategies and precisions disappear with it."""
+        removed = self._pm.unregister(plugin, name=name)
+        self._invalidate()
+        return removed
+
+    def _invalidate(self) -> None:
+        # The registries are views of what the registered plugins return: any
+        # change of plugins makes them stale.
+        self._strategies = self._precisions = None
 
     def check_pending(self) -> None:
         """Reject ``unison_*`` implementations that match no hook specification."""
@@ -100,7 +147,8 @@ class PluginManager:
             raise PluginError(self._describe(exc)) from None
 
     def _describe(self, exc: pluggy.PluginValidationError) -> str:
-        plugin_name = self._pm.get_name(exc.plugin) or getattr(exc.plugin, "__name__", None) or type(exc.plugin).__name__
+        plugin = exc.plugin
+        plugin_name = self._pm.get_name(plugin) or getattr(plugin, "__name__", None) or type(plugin).__name__
         return f"plugin {plugin_name!r} does not match unison's hook specifications: {exc}"
 
     def list_plugins(self) -> list[tuple[str, Any]]:
@@ -109,28 +157,41 @@ class PluginManager:
     def is_registered(self, plugin: Any) -> bool:
         return self._pm.is_registered(plugin)
 
-    # -- typed access ------------------------------------------------------ #
+    # -- registries -------------------------------------------------------- #
     @property
     def hook(self) -> Any:
-        """The pluggy hook relay (``pm.hook.unison_on_fit_start(trainer=...)``)."""
+        """The pluggy hook relay; prefer the typed methods below."""
         return self._pm.hook
 
     def _collect(self, hook_name: str) -> list[tuple[str, list[Any]]]:
+        """Each registering plugin's name with the specs it returns, in registration order.
+
+        A duplicate name must be reported with *both* plugins, so results must
+        stay attributable; one call of the relay returns an anonymous list.
+        Each plugin's implementation is therefore called through
+        ``subset_hook_caller`` with every *other* registering plugin removed:
+        still a pluggy call, so every wrapper (``wrapper=True``) runs around it
+        and hook-call monitoring records it, once per registering plugin.
+        """
         caller = getattr(self._pm.hook, hook_name)
+        providers = [impl for impl in caller.get_hookimpls() if not (impl.wrapper or impl.hookwrapper)]
         collected = []
-        for impl in caller.get_hookimpls():
-            result = impl.function()
-            collected.append((impl.plugin_name, list(result or [])))
+        for impl in providers:
+            others = [other.plugin for other in providers if other.plugin is not impl.plugin]
+            results = self._pm.subset_hook_caller(hook_name, remove_plugins=others)()
+            collected.append((impl.plugin_name, [spec for result in results for spec in (result or [])]))
         return collected
 
     @property
     def strategies(self) -> StrategyRegistry:
+        """Every registered strategy name (built on first use, rebuilt after a (un)registration)."""
         if self._strategies is None:
             self._strategies = StrategyRegistry(self._collect("unison_strategies"))
         return self._strategies
 
     @property
     def precisions(self) -> PrecisionRegistry:
+        """Every registered precision name (built on first use, rebuilt after a (un)registration)."""
         if self._precisions is None:
             self._precisions = PrecisionRegistry(self._collect("unison_precisions"))
         return self._precisions
@@ -155,3 +216,68 @@ class PluginManager:
             yield calls
         finally:
             undo()
+
+    # -- typed facade: one method per hookspec of unison.hookspecs ------------ #
+    # The registration hooks (unison_strategies, unison_precisions) are reached
+    # through the registries above.
+    def unison_add_cli_commands(self, *, cli: Any) -> None:
+        self._pm.hook.unison_add_cli_commands(cli=cli)
+
+    def unison_plugins_from_config(self, *, config: Any) -> list[Any]:
+        """The plugins every implementation built, flattened into one list."""
+        return [plugin for plugins in self._pm.hook.unison_plugins_from_config(config=config) for plugin in plugins]
+
+    def unison_on_fit_start(self, *, trainer: Trainer) -> None:
+        self._pm.hook.unison_on_fit_start(trainer=trainer)
+
+    def unison_on_fit_end(self, *, trainer: Trainer) -> None:
+        self._pm.hook.unison_on_fit_end(trainer=trainer)
+
+    def unison_on_exception(self, *, trainer: Trainer, exception: BaseException) -> None:
+        self._pm.hook.unison_on_exception(trainer=trainer, exception=exception)
+
+    def unison_on_train_epoch_start(self, *, trainer: Trainer, epoch: int) -> None:
+        self._pm.hook.unison_on_train_epoch_start(trainer=trainer, epoch=epoch)
+
+    def unison_on_train_epoch_end(self, *, trainer: Trainer, epoch: int) -> None:
+        self._pm.hook.unison_on_train_epoch_end(trainer=trainer, epoch=epoch)
+
+    def unison_on_train_step_start(self, *, trainer: Trainer, step: int) -> None:
+        self._pm.hook.unison_on_train_step_start(trainer=trainer, step=step)
+
+    def unison_on_after_backward(self, *, trainer: Trainer, step: int) -> None:
+        self._pm.hook.unison_on_after_backward(trainer=trainer, step=step)
+
+    def unison_on_before_optimizer_step(self, *, trainer: Trainer, step: int, grad_norm: float | torch.Tensor) -> None:
+        self._pm.hook.unison_on_before_optimizer_step(trainer=trainer, step=step, grad_norm=grad_norm)
+
+    def unison_on_after_optimizer_step(self, *, trainer: Trainer, step: int, skipped: bool) -> None:
+        self._pm.hook.unison_on_after_optimizer_step(trainer=trainer, step=step, skipped=skipped)
+
+    def unison_on_train_step_end(self, *, trainer: Trainer, step: int, output: StepOutput) -> None:
+        self._pm.hook.unison_on_train_step_end(trainer=trainer, step=step, output=output)
+
+    def unison_on_validation_start(self, *, trainer: Trainer, step: int) -> None:
+        self._pm.hook.unison_on_validation_start(trainer=trainer, step=step)
+
+    def unison_on_validation_end(self, *, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        self._pm.hook.unison_on_validation_end(trainer=trainer, step=step, metrics=metrics)
+
+    def unison_on_save_checkpoint(self, *, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+        self._pm.hook.unison_on_save_checkpoint(trainer=trainer, checkpoint=checkpoint)
+
+    def unison_on_load_checkpoint(self, *, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+        self._pm.hook.unison_on_load_checkpoint(trainer=trainer, checkpoint=checkpoint)
+
+    def unison_log_metrics(self, *, trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+        self._pm.hook.unison_log_metrics(trainer=trainer, metrics=metrics, step=step)
+
+    def unison_default_plugins(self, *, settings: Any, plugins: list[Any]) -> list[Any]:
+        """The default plugins every implementation returned, flattened into one list."""
+        return [p for ps in self._pm.hook.unison_default_plugins(settings=settings, plugins=plugins) for p in ps or []]
+
+    def unison_on_trainer_init(self, *, trainer: Trainer) -> None:
+        self._pm.hook.unison_on_trainer_init(trainer=trainer)
+
+    def unison_validation_progress(self, *, trainer: Trainer, step: int, batch_idx: int, num_batches: int | None) -> None:
+        self._pm.hook.unison_validation_progress(trainer=trainer, step=step, batch_idx=batch_idx, num_batches=num_batches)

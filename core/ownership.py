@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from unison.errors import did_you_mean
+
 #: The precision names every strategy must answer for, supported or not.
 STANDARD_PRECISIONS: tuple[str, ...] = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 
@@ -47,7 +49,7 @@ class PrecisionOwner(str, enum.Enum):
     TRAINER = "trainer"  #: the trainer's precision plugin (autocast, GradScaler, casts)
     ENGINE = "engine"  #: the engine's own config (DeepSpeed ``bf16``/``fp16``)
     SHARDING_POLICY = "sharding-policy"  #: a sharding wrapper's policy (FSDP MixedPrecision)
-    PLUGIN = "plugin"  #: a third-party precision plugin (apex)
+    PLUGIN = "plugin"  #: a third-party precision plugin, registered by name through ``unison_precisions``
     UNSUPPORTED = "unsupported"  #: refused before training, with a reason
 
 
@@ -217,7 +219,8 @@ class Ownership:
             return self.precision[name]
         except KeyError:
             return PrecisionSupport.unsupported(
-                f"precision {name!r} is not declared by this strategy; declared: {sorted(self.precision)}"
+                f"precision {name!r} is not declared by this strategy{did_you_mean(name, self.precision)}; "
+                f"declared: {sorted(self.precision)}"
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -20,6 +20,12 @@ To ship it to other users, publish it under the ``unison`` entry-point group
 at start-up exactly like its own built-in strategies and plugins. A module-level
 plugin may implement only some hooks, and a hook implementation may accept any
 subset of the spec's arguments (pluggy passes them by name).
+
+To run code around other implementations, use a new-style wrapper,
+``@unison.hookimpl(wrapper=True)``: it gets the other implementations' results
+from ``yield`` and returns what the caller sees. Every hook, the registration
+hooks included, is called through pluggy, so a wrapper of
+``unison_strategies`` sees (and may filter) what each plugin registers.
 """
 
 from __future__ import annotations

@@ -1,21 +1,34 @@
 """Strategies and precisions, registered by name through hooks.
 
 A plugin's ``unison_strategies`` hook returns :class:`StrategySpec` values;
-:class:`StrategyRegistry` collects them from every registered plugin (built-in
+:class:`StrategyRegistry` holds them for every registered plugin (built-in
 and third-party alike), resolves aliases, validates options with the spec's
 pydantic model and builds the :class:`~unison.strategy.Strategy`.
+:class:`~unison.manager.PluginManager` calls the hooks (through pluggy, so
+wrappers and hook monitoring see them) and rebuilds both registries whenever
+a plugin is registered or unregistered.
+
+An unknown name is an error listing every registered name and suggesting the
+closest one (``"dpp"`` -> ``did you mean 'ddp'?``).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 
-from unison.errors import ConfigurationError, PluginError, StrategyUnavailableError, UnknownStrategyError
+from unison.errors import (
+    ConfigurationError,
+    PluginError,
+    StrategyUnavailableError,
+    UnknownStrategyError,
+    did_you_mean,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from unison.precision import Precision
@@ -49,7 +62,7 @@ class StrategySpec:
 
     name: str
     #: Called with the validated options as keyword arguments.
-    factory: Callable[..., "Strategy"]
+    factory: Callable[..., Strategy]
     description: str
     #: Pydantic model of the options; unknown options are rejected.
     options: type[pydantic.BaseModel] = NoOptions
@@ -70,7 +83,7 @@ class PrecisionSpec:
     name: str
     #: Called as ``factory(device=..., grad_scaler=...)`` where ``grad_scaler``
     #: is the strategy's :meth:`~unison.Strategy.make_grad_scaler`.
-    factory: Callable[..., "Precision"]
+    factory: Callable[..., Precision]
     description: str
     unavailable: str | None = None
 
@@ -102,9 +115,6 @@ class StrategyRegistry:
     def specs(self) -> list[StrategySpec]:
         return [self._specs[n] for n in sorted(self._specs)]
 
-    def aliases_of(self, name: str) -> dict[str, Mapping[str, Any]]:
-        return dict(self._specs[name].aliases)
-
     def resolve(self, name: str, options: Mapping[str, Any] | None = None) -> tuple[StrategySpec, pydantic.BaseModel]:
         """Find the spec for ``name`` and validate ``options`` against it.
 
@@ -121,12 +131,12 @@ class StrategyRegistry:
             available = ", ".join(self.names()) or "(none: is plugin autoload disabled?)"
             raise UnknownStrategyError(
                 "strategy",
-                f"unknown strategy {name!r}",
+                f"unknown strategy {name!r}{did_you_mean(name, self.names())}",
                 f"use one of: {available}; or install the plugin that provides it",
             )
         merged = {**preset, **(options or {})}
         try:
-            validated = spec.options(**merged)
+            validated = spec.options.model_validate(merged, strict=True)
         except pydantic.ValidationError as exc:
             details = "; ".join(
                 f"{'.'.join(str(p) for p in err['loc']) or '(options)'}: {err['msg']}" for err in exc.errors()
@@ -137,12 +147,14 @@ class StrategyRegistry:
             ) from None
         return spec, validated
 
-    def create(self, name: str, options: Mapping[str, Any] | None = None) -> "Strategy":
+    def create(self, name: str, options: Mapping[str, Any] | None = None) -> Strategy:
         """Build the strategy (no process group is touched)."""
         spec, validated = self.resolve(name, options)
         if spec.unavailable:
             raise StrategyUnavailableError(
-                "strategy", f"strategy {name!r} is unavailable here: {spec.unavailable}", "install what is missing or pick another strategy"
+                "strategy",
+                f"strategy {name!r} is unavailable here: {spec.unavailable}",
+                "install what is missing or pick another strategy",
             )
         strategy = spec.factory(**validated.model_dump())
         strategy.name = name
@@ -167,10 +179,15 @@ class PrecisionRegistry:
     def names(self) -> list[str]:
         return sorted(self._specs)
 
+    def specs(self) -> list[PrecisionSpec]:
+        return [self._specs[n] for n in sorted(self._specs)]
+
     def get(self, name: str) -> PrecisionSpec:
         try:
             return self._specs[name]
         except KeyError:
             raise ConfigurationError(
-                "precision", f"no precision plugin provides {name!r}", f"use one of: {', '.join(self.names())}"
+                "precision",
+                f"no precision plugin provides {name!r}{did_you_mean(name, self.names())}",
+                f"use one of: {', '.join(self.names())}",
             ) from None

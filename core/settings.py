@@ -64,6 +64,12 @@ class TrainerSettings(pydantic.BaseModel):
     """Micro-batches each worker loads ahead (needs ``num_workers > 0``)."""
     persistent_workers: bool = False
     """Keep workers alive between epochs (needs ``num_workers > 0``)."""
+    progress: Literal["auto", "rich", "plain", "off"] = "auto"
+    """Progress display on rank 0: ``auto`` draws a live bar in a terminal and prints plain lines otherwise."""
+    progress_every_n_steps: int | None = pydantic.Field(None, ge=1)
+    """Steps between plain progress lines; ``None`` prints about 20 lines per run."""
+    throughput: bool = True
+    """Log step time, samples/s, tokens/s and peak memory on logging steps (the default Throughput callback)."""
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> "TrainerSettings":

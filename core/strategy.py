@@ -45,6 +45,7 @@ differs per backend, it reads the declaration.
 from __future__ import annotations
 
 import abc
+import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol, Sequence, runtime_checkable
 
@@ -222,6 +223,16 @@ class Strategy(abc.ABC):
     def validate_model(self, model: torch.nn.Module, settings: TrainerSettings) -> None:
         """Reject a model this strategy cannot train, before any process group starts."""
 
+    def validate_optimizer(self, optimizer: torch.optim.Optimizer, settings: TrainerSettings) -> None:
+        """Reject the user's optimizer before any process group starts.
+
+        ``optimizer`` is what the user's factory returned when the trainer
+        probed it on the model's trainable parameters (a throwaway instance:
+        :meth:`setup` calls the factory again). Only a strategy whose engine
+        takes the optimizer's hyper-parameters rather than the optimizer (apex's
+        ``DistributedFusedAdam`` is an Adam) needs this.
+        """
+
     # -- 3. setup -------------------------------------------------------------- #
     @abc.abstractmethod
     def setup(
@@ -274,7 +285,14 @@ class Strategy(abc.ABC):
 
     def zero_grad(self) -> None:
         assert self.optimizer is not None
-        self.optimizer.zero_grad(set_to_none=True)
+        zero_grad = self.optimizer.zero_grad
+        # Free the gradients. apex's fused optimizers (FusedAdam, FusedLAMB)
+        # override zero_grad() without the set_to_none argument and free them
+        # themselves (set_grad_none=True, their default).
+        if "set_to_none" in inspect.signature(zero_grad).parameters:
+            zero_grad(set_to_none=True)
+        else:
+            zero_grad()
 
     def eval_loss(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
         """The mean loss of one validation batch in the ``loss_fn`` form (under ``torch.no_grad``)."""

@@ -264,8 +264,8 @@ def _build_model(model: Any, seed: int) -> torch.nn.Module:
     return built
 
 
-def _probe_optimizer(optimizer: Any, lr_scheduler: Any, model: torch.nn.Module) -> None:
-    """Call the factories once on the real parameters and check what they return."""
+def _probe_optimizer(optimizer: Any, lr_scheduler: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Call the factories once on the real parameters, check what they return; return the probe optimizer."""
     _check_callable(optimizer, "optimizer", "optimizer(params)", "lambda params: torch.optim.AdamW(params, lr=1e-3)", 1)
     if isinstance(optimizer, torch.optim.Optimizer):  # pragma: no cover - caught by the callable check above
         raise ConfigurationError("optimizer", "got an Optimizer instance", "pass a factory: lambda params: ...")
@@ -275,6 +275,7 @@ def _probe_optimizer(optimizer: Any, lr_scheduler: Any, model: torch.nn.Module) 
         _check_callable(lr_scheduler, "lr_scheduler", "lr_scheduler(optimizer)",
                         "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)", 1)
         _check_scheduler(lr_scheduler(opt))
+    return opt
 
 
 def _checked_optimizer(factory: OptimizerArg, params: Any) -> torch.optim.Optimizer:
@@ -386,7 +387,11 @@ class Trainer:
             raise ConfigurationError("max_consecutive_skips", f"got {max_consecutive_skips!r}", "pass an int >= 1")
         self.nonfinite, self.max_consecutive_skips = nonfinite, max_consecutive_skips
         self.pm = plugin_manager or PluginManager()
-        for plugin in [*callbacks, *loggers]:
+        explicit = [*callbacks, *loggers]
+        for plugin in explicit:
+            self.pm.register(plugin)
+        # Progress display and throughput come from plugins, so the core never imports them.
+        for plugin in self.pm.unison_default_plugins(settings=self.settings, plugins=explicit):
             self.pm.register(plugin)
         self.pm.check_pending()
         _, world_size, _ = world_from_env()
@@ -417,6 +422,7 @@ class Trainer:
         self.training_step: TrainingStep | None = None
         #: Metrics of the most recent validation loop, or ``None``.
         self.last_validation: dict[str, float] | None = None
+        self.pm.unison_on_trainer_init(trainer=self)
 
     # -- properties -------------------------------------------------------- #
     @property
@@ -541,7 +547,7 @@ class Trainer:
         # strategy's own check, which may be narrower than the feature (a
         # pipeline refuses weights tied *across stages*); the declaration says so.
         self.strategy.validate_model(model, s)
-        _probe_optimizer(optimizer, lr_scheduler, model)
+        self.strategy.validate_optimizer(_probe_optimizer(optimizer, lr_scheduler, model), s)
         dp_size = self.strategy.data_parallel_size(world_size)
         data = TrainData(train_dataset, collate_fn, s, data_parallel_size=dp_size,
                          data_parallel_rank=self.strategy.data_parallel_rank(rank, world_size),
@@ -558,7 +564,7 @@ class Trainer:
             self.env = self._setup_environment()
             self._fit(model, optimizer, lr_scheduler, val, ckpt_path)
         except BaseException as exc:
-            self.pm.hook.unison_on_exception(trainer=self, exception=exc)
+            self.pm.unison_on_exception(trainer=self, exception=exc)
             raise
         finally:
             data.close()
@@ -593,7 +599,7 @@ class Trainer:
 
     def _fit(self, model: torch.nn.Module, optimizer: OptimizerArg, lr_scheduler: SchedulerArg | None,
              val: tuple[Any, Any, Any] | None, ckpt_path: Any) -> None:
-        s, env, hook, strategy = self.settings, self.env, self.pm.hook, self.strategy
+        s, env, hook, strategy = self.settings, self.env, self.pm, self.strategy
         assert env is not None and self.data is not None
         seed_everything(s.seed)
         if self.ownership.replica_init is ReplicaInit.TRAINER and env.distributed and env.world_size > 1:
@@ -632,7 +638,7 @@ class Trainer:
         hook.unison_on_fit_end(trainer=self)
 
     def _loop(self, val: Any) -> None:
-        s, hook = self.settings, self.pm.hook
+        s, hook = self.settings, self.pm
         assert self.data is not None
         epoch = None
         self._last_validated = self._last_saved = None
@@ -670,7 +676,7 @@ class Trainer:
 
     # -- one optimizer step -------------------------------------------------- #
     def _train_step(self, batch: Any) -> StepOutput:
-        s, hook, strategy, precision = self.settings, self.pm.hook, self.strategy, self.precision
+        s, hook, strategy, precision = self.settings, self.pm, self.strategy, self.precision
         assert precision is not None
         step = batch.step
         hook.unison_on_train_step_start(trainer=self, step=step)
@@ -801,13 +807,16 @@ class Trainer:
         assert self.env is not None and self.precision is not None and self.data is not None
         source, collate, options = self._resolve_validation(dataset, None) if dataset is not None else self._val
         step = self.progress.global_step
-        self.pm.hook.unison_on_validation_start(trainer=self, step=step)
+        self.pm.unison_on_validation_start(trainer=self, step=step)
         model = self.strategy.module
         was_training = model.training
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
-        for batch, weight in validation_stream(source, collate, self.settings.val_batch_size, self.data.replicas,
-                                               self.data.rank, options, self.settings.seed):
+        per_forward = self.settings.val_batch_size * self.data.replicas
+        num_batches = -(-len(source) // per_forward) if is_map_style(source) else None  # for progress displays
+        for i, (batch, weight) in enumerate(validation_stream(source, collate, self.settings.val_batch_size,
+                                                              self.data.replicas, self.data.rank, options,
+                                                              self.settings.seed)):
             batch = self.strategy.to_device(batch)
             with self.precision.forward_context():
                 if self.training_step is not None:
@@ -817,11 +826,12 @@ class Trainer:
                     loss = self.strategy.eval_loss(self.precision.convert_input(inputs), targets, self.loss_fn)
             total += torch.stack([loss.detach().double() * weight, torch.tensor(float(weight), dtype=torch.float64,
                                                                                  device=total.device)])
+            self.pm.unison_validation_progress(trainer=self, step=step, batch_idx=i, num_batches=num_batches)
         model.train(was_training)
         total = self.strategy.reduce_sum(total)
         metrics = {"val/loss": float(total[0] / total[1])}
         self.last_validation = metrics
-        self.pm.hook.unison_on_validation_end(trainer=self, step=step, metrics=metrics)
+        self.pm.unison_on_validation_end(trainer=self, step=step, metrics=metrics)
         self._emit(metrics)
         return metrics
 
@@ -855,7 +865,7 @@ class Trainer:
 
     def _emit(self, metrics: dict[str, Any]) -> None:
         plain = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
-        self.pm.hook.unison_log_metrics(trainer=self, metrics=plain, step=self.progress.global_step)
+        self.pm.unison_log_metrics(trainer=self, metrics=plain, step=self.progress.global_step)
 
     # -- state ----------------------------------------------------------------- #
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -886,7 +896,7 @@ class Trainer:
                 "precision": self.precision.state_dict() if self.precision is not None else {},
                 "data": self.data.state_dict(self.progress.global_step) if self.data is not None else None,
             }
-            self.pm.hook.unison_on_save_checkpoint(trainer=self, checkpoint=trainer_state)
+            self.pm.unison_on_save_checkpoint(trainer=self, checkpoint=trainer_state)
             if env.rank == 0:
                 torch.save(trainer_state, directory / "trainer.pt")
             return {
@@ -926,4 +936,4 @@ class Trainer:
             # Another world size: no saved RNG for this rank; derive one from
             # the seed and the step so the run stays deterministic.
             seed_everything(self.settings.seed + self.progress.global_step + 7919 * self.env.rank)
-        self.pm.hook.unison_on_load_checkpoint(trainer=self, checkpoint=trainer_state)
+        self.pm.unison_on_load_checkpoint(trainer=self, checkpoint=trainer_state)

@@ -88,8 +88,8 @@ class TinyLM(nn.Module):
         return self.head(self.ln(x))
 
 
-def build_model(**kwargs: int) -> TinyLM:
-    return TinyLM(**kwargs)
+def build_model(d_model: int = 64, n_heads: int = 4, n_layers: int = 2, seq_len: int = 64) -> TinyLM:
+    return TinyLM(d_model=d_model, n_heads=n_heads, n_layers=n_layers, seq_len=seq_len)
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -8,5 +8,7 @@ python3 -m venv .venv
 # torch first: DeepSpeed and fairscale build against the installed torch
 # (--no-build-isolation), which keeps them on the CPU wheel.
 .venv/bin/pip install -q "torch==2.13.0"
-.venv/bin/pip install -q --no-build-isolation -e ".[dev,deepspeed,fairscale]"
+# tensorboard, mlflow, wandb: the loggers (their tests read each one back; mlflow runs a local server);
+# hf: transformers and datasets for the Hugging Face example.
+.venv/bin/pip install -q --no-build-isolation -e ".[dev,deepspeed,fairscale,tensorboard,mlflow,wandb,hf]" "torch==2.13.0"
 rm -rf unison.egg-info  # build metadata only; a stale copy would shadow the installed entry points

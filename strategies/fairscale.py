@@ -60,8 +60,10 @@ from unison.state import canonical
 from unison.env import resolve_accelerator
 from unison.strategy import OptimizerFactory, Strategy
 
-from unison.strategies._torch import TRAINER_PRECISION
 from unison.strategies._sharded_optimizer import CONSOLIDATED_DCP_STATE, OptimizerRecipe, TorchZeroStrategy
+from unison.strategies._torch import TRAINER_PRECISION
+from unison.strategies._upstream.fairscale import remove_grad_hooks
+from unison.strategies._upstream.torch import FlagReducingGradScaler
 
 
 # --------------------------------------------------------------------------- #
@@ -119,7 +121,7 @@ class SDPOptions(pydantic.BaseModel):
     """Broadcast rank 0's buffers (BatchNorm statistics) at every synchronised forward."""
 
 
-class OwnedShardGradScaler(torch.amp.GradScaler):
+class OwnedShardGradScaler(FlagReducingGradScaler):
     """A GradScaler for gradients that only their owner rank holds reduced.
 
     ``torch.amp.GradScaler.unscale_`` walks every parameter of the optimizer;
@@ -129,7 +131,7 @@ class OwnedShardGradScaler(torch.amp.GradScaler):
     rank's shard, then takes the max of the flag over ranks: every rank skips,
     backs off and grows the scale together. It overrides the same method
     fairscale's ShardedGradScaler does (that class disables itself without
-    CUDA).
+    CUDA), through the adapter's public override points.
     """
 
     def __init__(self, device: torch.device, owned_groups: Any) -> None:
@@ -138,9 +140,12 @@ class OwnedShardGradScaler(torch.amp.GradScaler):
         #: does not exist yet when the trainer builds the precision).
         self._owned_groups = owned_groups
 
-    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> dict:
-        shard = types.SimpleNamespace(param_groups=self._owned_groups())
-        per_device = super()._unscale_grads_(shard, inv_scale, found_inf, allow_fp16)
+    def unscale_target(self, optimizer: Any) -> Any:
+        return types.SimpleNamespace(param_groups=self._owned_groups())
+
+    def combine_found_inf(
+        self, per_device: dict[torch.device, torch.Tensor], found_inf: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]:
         if not per_device:  # this rank owns no gradient: still take part in the reduction
             per_device = {found_inf.device: found_inf}
         for device in sorted(per_device, key=str):
@@ -240,8 +245,7 @@ class FairscaleSDPStrategy(FairscaleOSSStrategy):
         if self.model is not None:
             # Its reduce hooks live on the parameters' gradient accumulators;
             # a later wrapper of the same module must not inherit them.
-            for handle in self.model._grad_hooks:
-                handle.remove()
+            remove_grad_hooks(self.model)
         super().teardown()
 
 

@@ -72,7 +72,7 @@ def test_example_trains_end_to_end(tmp_path):
     out = run("train", str(ROOT / "examples" / "tinylm.toml"), "--max-steps", "30", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "final train loss" in out.stdout and "final validation loss" in out.stdout
-    lines = [json.loads(l) for l in (tmp_path / "runs/tinylm/metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(l) for l in (tmp_path / "runs/tinylm/version_0/metrics.jsonl").read_text().splitlines()]
     losses = [l["train/loss"] for l in lines if "train/loss" in l]
     assert losses[-1] < losses[0] < 6.0  # it learns from ln(256)=5.5
     assert (tmp_path / "runs/tinylm/checkpoints/latest").read_text().strip() == "step-00000030"

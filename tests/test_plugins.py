@@ -38,7 +38,7 @@ def test_every_lifecycle_hookspec_is_named_in_the_documented_order():
 def test_builtins_are_registered_through_the_entry_point_group():
     pm = unison.PluginManager()
     names = {name for name, _ in pm.list_plugins()}
-    assert {"single", "ddp", "precision", "jsonl", "progress"} <= names
+    assert {"single", "ddp", "precision", "loggers", "callbacks", "progress"} <= names
     assert {"single", "ddp"} <= set(pm.strategies.names())
 
 

@@ -1,0 +1,66 @@
+"""Built-in metric loggers: JSONL, CSV, TensorBoard, MLflow, Weights & Biases.
+
+Each logger is a pluggy plugin (``unison_log_metrics`` plus the fit hooks); pass
+them as ``Trainer(loggers=[...])``, or enable them in a config file's
+``[logging]`` table (this module is the ``loggers`` entry point that reads it)::
+
+    [logging]
+    dir = "runs/tinylm"          # each fit: runs/tinylm/version_N
+    jsonl = true                 # version_N/metrics.jsonl
+    csv = true                   # version_N/metrics.csv
+    tensorboard = true           # version_N/tensorboard/
+    [logging.mlflow]             # present = enabled
+    tracking_uri = "http://127.0.0.1:5000"
+    [logging.wandb]              # offline by default: version_N/wandb/
+    project = "tinylm"
+
+Loggers given the same directory share one version per fit. Global rank 0
+writes (every rank receives the same, already reduced, metrics), at the
+trainer's step, so every backend numbers them alike. A logger whose package
+is missing raises :class:`~unison.ConfigurationError` naming the extra to
+install, before training.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unison.plugin import hookimpl
+
+from ._run import RunDirectory, new_version, run_metadata
+from .csv_logger import CSVLogger, read_csv
+from .jsonl import JSONLLogger, read_jsonl
+from .mlflow_logger import MLflowLogger
+from .tensorboard_logger import TensorBoardLogger, read_scalars
+from .wandb_logger import WandbLogger
+
+__all__ = [
+    "CSVLogger", "JSONLLogger", "MLflowLogger", "RunDirectory", "TensorBoardLogger", "WandbLogger",
+    "loggers_from_config", "new_version", "read_csv", "read_jsonl", "read_scalars", "run_metadata",
+]
+
+
+def loggers_from_config(config: Any) -> list[Any]:
+    """The loggers a ``unison train`` config's ``[logging]`` table enables, sharing one run directory."""
+    logging = config.logging
+    run = RunDirectory(logging.dir, config=config.model_dump(mode="json")) if logging.dir is not None else None
+    loggers: list[Any] = []
+    if logging.mlflow is not None:
+        loggers.append(MLflowLogger(run, **logging.mlflow.model_dump()))
+    if not (logging.jsonl or logging.csv or logging.tensorboard or logging.wandb is not None):
+        return loggers
+    assert run is not None  # LoggingConfig refuses file loggers without a dir
+    if logging.jsonl:
+        loggers.append(JSONLLogger(run))
+    if logging.csv:
+        loggers.append(CSVLogger(run))
+    if logging.tensorboard:
+        loggers.append(TensorBoardLogger(run))
+    if logging.wandb is not None:
+        loggers.append(WandbLogger(run, **logging.wandb.model_dump()))
+    return loggers
+
+
+@hookimpl
+def unison_plugins_from_config(config: Any) -> list[Any]:
+    return loggers_from_config(config)

@@ -1,0 +1,59 @@
+"""Stop decisions that one rank makes, agreed by every rank (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from typing import Any
+
+import torch
+from torch.utils.data import TensorDataset
+
+import unison
+from helpers import mlp, regression_data
+
+
+def _shared_dir(prefix: str) -> str:
+    name = [tempfile.mkdtemp(prefix=prefix) if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def nan_on_rank_1(strategy: str) -> dict[str, Any]:
+    """Sample 37 is NaN: step 2 (samples 32..47), micro-batch 0 (32..39), rank 1's half (36..39)."""
+    x, y = regression_data(n=64).tensors
+    x = x.clone()
+    x[37] = math.nan
+    root = _shared_dir("unison-nan-")
+    trainer = unison.Trainer(strategy=strategy, global_batch_size=16, accumulate_grad_batches=2, max_steps=4,
+                             shuffle=False, checkpoint_dir=root, checkpoint_every_n_steps=1)
+    try:
+        trainer.fit(mlp(), TensorDataset(x, y), loss_fn=torch.nn.functional.mse_loss,
+                    optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+        error = None
+    except unison.NonFiniteError as exc:
+        error = str(exc)
+    return {"error": error, "global_step": trainer.progress.global_step,
+            "optimizer_steps": trainer.progress.optimizer_steps, "root": root}
+
+
+class StopOnRank1:
+    """A per-rank decision (think: a wall-clock limit) taken on rank 1 only, at step 3."""
+
+    @unison.hookimpl
+    def unison_on_train_step_end(self, trainer: Any, step: int) -> None:
+        if trainer.env.rank == 1 and step == 3:
+            trainer.should_stop = True
+
+
+def stop_from_one_rank(strategy: str) -> dict[str, Any]:
+    root = _shared_dir("unison-stop-")
+    trainer = unison.Trainer(strategy=strategy, global_batch_size=16, accumulate_grad_batches=2, max_steps=10,
+                             checkpoint_dir=root, checkpoint_every_n_steps=2, callbacks=[StopOnRank1()])
+    progress = trainer.fit(mlp(), regression_data(n=64), loss_fn=torch.nn.functional.mse_loss,
+                           optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+    return {"global_step": progress.global_step, "root": root, "latest": str(trainer.checkpointer.latest())}
+
+
+def fail_world(strategies: tuple[str, ...]) -> dict[str, Any]:
+    return {name: {"nan": nan_on_rank_1(name), "stop": stop_from_one_rank(name)} for name in strategies}

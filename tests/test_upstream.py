@@ -1,0 +1,282 @@
+"""Non-public upstream APIs stay behind strategies/_upstream, pinned, and work on the installed versions."""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import unison
+from unison.launch import spawn
+from unison.strategies import _upstream
+from unison.strategies._upstream import deepspeed as ds_adapter
+from unison.strategies._upstream import fairscale as fairscale_adapter
+from unison.strategies._upstream import torch as torch_adapter
+
+from helpers import regression_data
+
+STRATEGIES = Path(__file__).resolve().parents[1] / "strategies"
+
+
+def own_private_names(paths: list[Path]) -> set[str]:
+    """The ``_names`` unison's own code defines (``self._x = ...``, ``def``, ``class``, assignments)."""
+    names: set[str] = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return {n for n in names if n.startswith("_")}
+
+
+def private_uses(path: Path, own: set[str]) -> list[str]:
+    """Every reach into a non-public name of another object or module in ``path``.
+
+    ``x._name``; ``self._name`` / ``cls._name`` when unison's own code never defines
+    ``_name`` (an upstream base class's internals); ``getattr(x, "_name")`` and
+    friends; ``from pkg._private import ...`` of a non-unison package.
+    """
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if not on_self or node.attr not in own:
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) > 1
+            and isinstance(node.args[1], ast.Constant)
+            and str(node.args[1].value).startswith("_")
+        ):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("unison"):
+            names = [node.module, *(a.name for a in node.names)]
+            if any(part.startswith("_") and not part.startswith("__") for n in names for part in n.split(".")):
+                found.append(f"{path.name}:{node.lineno}: from {node.module} import ...")
+    return found
+
+
+STRATEGY_FILES = [p for p in STRATEGIES.rglob("*.py") if "_upstream" not in p.parts]
+ADAPTER_FILES = sorted((STRATEGIES / "_upstream").glob("*.py"))
+OWN = own_private_names(STRATEGY_FILES)
+
+
+def test_no_strategy_reaches_a_private_upstream_name_outside_the_adapters():
+    assert len(STRATEGY_FILES) >= 10
+    uses = [use for path in STRATEGY_FILES for use in private_uses(path, OWN)]
+    assert not uses, "move these behind strategies/_upstream (one adapter per upstream):\n" + "\n".join(uses)
+
+
+def test_the_scan_finds_private_uses():
+    """The adapters are where the private names are, so the scan must find them there."""
+    joined = "\n".join(use for path in ADAPTER_FILES for use in private_uses(path, OWN))
+    for name in (
+        "_exec_schedule",
+        "_compute_loss",
+        "_hp_mapping",
+        "_dp_group",
+        "_unscale_grads_",
+        "_lazy_init_scale_growth_tracker",
+        "_scale",
+        "_flatten_dense_tensors",
+        "_grad_hooks",
+    ):
+        assert name in joined, name
+
+
+def test_every_private_use_has_its_reason_beside_it():
+    for path in ADAPTER_FILES:
+        lines = path.read_text().splitlines()
+        for use in private_uses(path, OWN):
+            line = int(use.split(":")[1])
+            assert any("PRIVATE" in text for text in lines[max(0, line - 7) : line]), f"no reason beside {use}"
+
+
+@pytest.mark.parametrize(
+    ("adapter", "distribution"),
+    [(torch_adapter, "torch"), (ds_adapter, "deepspeed"), (fairscale_adapter, "fairscale")],
+)
+def test_adapters_are_pinned_to_the_installed_version(adapter, distribution):
+    installed = importlib.metadata.version(distribution).split("+")[0]
+    assert installed == adapter.VERIFIED_VERSION, (
+        f"{adapter.__name__} was verified against {distribution} {adapter.VERIFIED_VERSION} but {installed} is "
+        "installed: re-verify its private APIs, then update VERIFIED_VERSION"
+    )
+
+
+def test_an_unverified_version_warns_once():
+    with pytest.warns(RuntimeWarning, match="verified against torch 0.0.1"):
+        _upstream.warn_if_unverified("torch", "0.0.1", "test adapter")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _upstream.warn_if_unverified("torch", "0.0.1", "test adapter")  # once per adapter
+
+
+# --------------------------------------------------------------------------- #
+# torch
+# --------------------------------------------------------------------------- #
+def test_flatten_and_unflatten_round_trip():
+    tensors = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2, 2)]
+    flat = torch_adapter.flatten_dense_tensors(tensors)
+    assert flat.shape == (12 + 5 + 8,)
+    back = torch_adapter.unflatten_dense_tensors(flat, tensors)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+
+
+class FirstLayerOnly(torch_adapter.FlagReducingGradScaler):
+    """Unscales and checks only the first parameter group; records the flags it was given."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu", init_scale=1024.0)
+        self.flags: list[float] = []
+
+    def unscale_target(self, optimizer):
+        return type("Shard", (), {"param_groups": optimizer.param_groups[:1]})()
+
+    def combine_found_inf(self, per_device, found_inf):
+        self.flags.extend(float(f) for f in per_device.values())
+        return per_device
+
+
+def _two_groups():
+    first, second = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD([{"params": first.parameters()}, {"params": second.parameters()}], lr=0.1)
+    return first, second, opt
+
+
+def test_grad_scaler_override_points_narrow_and_see_the_overflow_check():
+    first, second, opt = _two_groups()
+    scaler = FirstLayerOnly()
+    scaler.scale(second(first(torch.randn(8, 4))).pow(2).mean()).backward()
+    scaled_second = second.weight.grad.clone()
+    scaler.unscale_(opt)
+    assert scaler.flags == [0.0]
+    # The first group was unscaled, the second was left alone.
+    assert torch.equal(second.weight.grad, scaled_second)
+    # An overflow outside the checked group is not seen; inside it, the step is skipped.
+    second.weight.grad.fill_(float("inf"))
+    before = first.weight.detach().clone()
+    scaler.step(opt)
+    assert not torch.equal(first.weight, before)
+    scaler.update()
+    opt.zero_grad()
+    scaler.scale(second(first(torch.randn(8, 4))).pow(2).mean()).backward()
+    first.weight.grad.fill_(float("inf"))
+    before = first.weight.detach().clone()
+    scaler.step(opt)
+    assert scaler.flags[-1] == 1.0 and torch.equal(first.weight, before)
+
+
+def test_ensure_scale_lets_a_rank_that_scaled_no_loss_unscale():
+    first, second, opt = _two_groups()
+    for p in [*first.parameters(), *second.parameters()]:
+        p.grad = torch.ones_like(p)  # gradients that arrived from another stage
+    with pytest.raises(AssertionError):
+        torch.amp.GradScaler("cpu").unscale_(opt)  # the scale does not exist yet
+    scaler = torch_adapter.FlagReducingGradScaler("cpu", init_scale=4.0)
+    scaler.ensure_scale(opt)
+    scaler.unscale_(opt)
+    assert torch.equal(first.weight.grad, torch.full_like(first.weight, 0.25))
+
+
+# --------------------------------------------------------------------------- #
+# DeepSpeed
+# --------------------------------------------------------------------------- #
+def test_train_schedule_without_step_is_train_schedule_minus_optimizer_step():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.pipe import schedule
+
+    for stage_id in (0, 1):
+        full = [list(cmds) for cmds in schedule.TrainSchedule(micro_batches=4, stages=2, stage_id=stage_id).steps()]
+        cut = [list(cmds) for cmds in ds_adapter.train_schedule_without_step(4, 2, stage_id).steps()]
+        assert sum(isinstance(c, schedule.OptimizerStep) for cmds in full for c in cmds) == 1
+        kept = [[repr(c) for c in cmds if not isinstance(c, schedule.OptimizerStep)] for cmds in full]
+        assert kept == [[repr(c) for c in cmds] for cmds in cut]
+        assert any(isinstance(c, schedule.ReduceGrads) for cmds in cut for c in cmds)
+
+
+def upstream_world() -> dict[str, object]:
+    """In a real world of 1: fairscale's ShardedDataParallel hooks, and zero2/zero3 layouts after one step."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from deepspeed.utils import safe_get_full_fp32_param
+    from fairscale.nn.data_parallel import ShardedDataParallel
+    from fairscale.optim import OSS
+
+    out: dict[str, object] = {}
+    module = torch.nn.Linear(4, 1)
+    sdp = ShardedDataParallel(module, OSS(module.parameters(), optim=torch.optim.SGD, lr=0.1))
+    sdp(torch.randn(2, 4)).sum().backward()
+    out["sdp/hooks_before"] = len(sdp._grad_hooks)
+    fairscale_adapter.remove_grad_hooks(sdp)
+    out["sdp/hooks_after"] = len(sdp._grad_hooks)
+
+    class Inspect:
+        @unison.hookimpl
+        def unison_on_after_optimizer_step(self, trainer):
+            strategy, stage = trainer.strategy, trainer.strategy.stage
+            masters = ds_adapter.fp32_partitions(strategy.engine.optimizer, stage)
+            params = dict(strategy.module.named_parameters())
+            frozen, trained = params["0.weight"], {n: p for n, p in params.items() if p.requires_grad}
+            out[f"zero{stage}/masters_numel"] = sum(m.numel() for m in masters)
+            out[f"zero{stage}/trained_numel"] = sum(p.numel() for p in trained.values())
+            if stage == 2:
+                out["zero2/frozen_linked"] = ds_adapter.is_linked(frozen)
+                exact, covered = [], 0
+                for name, p in trained.items():
+                    piece = ds_adapter.fragment(p)
+                    assert ds_adapter.is_linked(p) and piece is not None and piece.param_numel == p.numel()
+                    master = masters[piece.group_index].narrow(0, piece.partition_start, piece.partition_numel)
+                    exact.append(torch.equal(master, safe_get_full_fp32_param(p).flatten()))
+                    covered += piece.partition_numel
+                    group = ds_adapter.fragment_group(p)
+                    assert torch.distributed.get_world_size(group=group) == 1, name
+                out["zero2/fragments_are_the_masters"] = all(exact)
+                out["zero2/fragments_numel"] = covered
+            else:
+                out["zero3/partitioned"] = all(ds_adapter.is_partitioned(p) for p in params.values())
+                out["zero3/partition_covers_param"] = all(
+                    ds_adapter.local_partition(p).numel() >= p.ds_numel for p in params.values()
+                )
+                out["zero3/group_size"] = torch.distributed.get_world_size(
+                    group=ds_adapter.partition_group(params["2.weight"])
+                )
+                kept = [ds_adapter.kept_whole(p) for p in params.values()]
+                out["zero3/kept_whole_is_bool"] = all(isinstance(k, bool) for k in kept)
+
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        model[0].weight.requires_grad_(False)
+        trainer = unison.Trainer(strategy=f"zero{stage}", max_steps=1, global_batch_size=8, callbacks=[Inspect()])
+        trainer.fit(
+            model,
+            regression_data(16),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        )
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+def test_adapters_read_real_engines():
+    (out,) = spawn(upstream_world, 1, timeout=220)
+    assert out["sdp/hooks_before"] == 2 and out["sdp/hooks_after"] == 0
+    assert out["zero2/frozen_linked"] is False
+    assert out["zero2/fragments_are_the_masters"] is True
+    # Every trained element has its place in the (alignment-padded) fp32 partition, the frozen ones none.
+    assert out["zero2/fragments_numel"] == out["zero2/trained_numel"] == 16 + 16 + 1  # 0.bias, 2.weight, 2.bias
+    assert out["zero2/trained_numel"] <= out["zero2/masters_numel"] < out["zero2/trained_numel"] + 16
+    assert out["zero3/partitioned"] is True and out["zero3/partition_covers_param"] is True
+    assert out["zero3/group_size"] == 1 and out["zero3/kept_whole_is_bool"] is True
+    assert out["zero3/masters_numel"] >= out["zero3/trained_numel"]
