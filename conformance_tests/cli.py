@@ -45,25 +45,59 @@ def _command() -> Any:
     import click
 
     @click.command("conformance")
-    @click.option("--strategy", "strategies", multiple=True, required=True,
-                  help="Strategy name(s) to certify, comma-separated or repeated; 'all' for every registered one.")
-    @click.option("--world-size", type=click.IntRange(1), default=2, show_default=True,
-                  help="Ranks of each strategy's world.")
-    @click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None,
-                  help="Write report.json and report.html into this directory.")
-    @click.option("--scenario", "scenarios", multiple=True,
-                  help="Only these scenarios (comma-separated or repeated); all by default.")
-    @click.option("--plugin", "plugins", multiple=True,
-                  help="Import and register these modules as plugins (third-party strategies not installed).")
-    @click.option("--timeout", type=float, default=300.0, show_default=True,
-                  help="Seconds one world may take before it is killed.")
-    @click.option("--require-certified", is_flag=True,
-                  help="Exit 1 unless every strategy that ran is certified (not only when one failed).")
-    def conformance(strategies: tuple[str, ...], world_size: int, report_dir: str | None,
-                    scenarios: tuple[str, ...], plugins: tuple[str, ...], timeout: float,
-                    require_certified: bool) -> None:
+    @click.option(
+        "--strategy",
+        "strategies",
+        multiple=True,
+        required=True,
+        help="Strategy name(s) to certify, comma-separated or repeated; 'all' for every registered one.",
+    )
+    @click.option(
+        "--world-size", type=click.IntRange(1), default=2, show_default=True, help="Ranks of each strategy's world."
+    )
+    @click.option(
+        "--report",
+        "report_dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="Write report.json and report.html into this directory.",
+    )
+    @click.option(
+        "--scenario",
+        "scenarios",
+        multiple=True,
+        help="Only these scenarios (comma-separated or repeated); all by default.",
+    )
+    @click.option(
+        "--plugin",
+        "plugins",
+        multiple=True,
+        help="Import and register these modules as plugins (third-party strategies not installed).",
+    )
+    @click.option(
+        "--timeout",
+        type=float,
+        default=300.0,
+        show_default=True,
+        help="Seconds one world may take before it is killed.",
+    )
+    @click.option(
+        "--require-certified",
+        is_flag=True,
+        help="Exit 1 unless every strategy that ran is certified (not only when one failed).",
+    )
+    def conformance(
+        strategies: tuple[str, ...],
+        world_size: int,
+        report_dir: str | None,
+        scenarios: tuple[str, ...],
+        plugins: tuple[str, ...],
+        timeout: float,
+        require_certified: bool,
+    ) -> None:
         """Run the conformance suite: each strategy against the single-process reference."""
         from rich.console import Console
+
         from unison.conformance.report import certify
 
         # One thread per rank: the ranks of a world share this machine's cores.
@@ -77,8 +111,12 @@ def _command() -> Any:
             names = [s.name for s in PluginManager(plugins=_load(plugins)).strategies.specs() if s.name != "single"]
         try:
             report = certify(
-                names, world_size=world_size, scenarios=_split(scenarios) or None,
-                plugins=_split(plugins), report_dir=report_dir, timeout=timeout,
+                names,
+                world_size=world_size,
+                scenarios=_split(scenarios) or None,
+                plugins=_split(plugins),
+                report_dir=report_dir,
+                timeout=timeout,
             )
         except KeyError as exc:  # an unknown scenario name
             raise click.BadParameter(str(exc.args[0]), param_hint="--scenario") from None

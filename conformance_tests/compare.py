@@ -70,10 +70,12 @@ is the one the product promises; it is never loosened.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
+
 from unison.conformance.runner import StrategyResult
 from unison.conformance.scenarios import Run, Scenario, build_model, needs
 from unison.ownership import AccumulationOwner, GradSync, WorldSizes
@@ -161,9 +163,17 @@ class Divergence:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "scenario": self.scenario, "run": self.run, "quantity": self.quantity, "step": self.step,
-            "expected": _plain(self.expected), "got": _plain(self.got), "deviation": self.deviation,
-            "tolerance": self.tolerance, "against": self.against, "note": self.note, "kind": self.kind,
+            "scenario": self.scenario,
+            "run": self.run,
+            "quantity": self.quantity,
+            "step": self.step,
+            "expected": _plain(self.expected),
+            "got": _plain(self.got),
+            "deviation": self.deviation,
+            "tolerance": self.tolerance,
+            "against": self.against,
+            "note": self.note,
+            "kind": self.kind,
             "message": self.message(),
         }
 
@@ -208,9 +218,14 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "scenario": self.scenario, "strategy": self.strategy, "status": self.status, "reason": self.reason,
-            "max_param_deviation": self.max_param_deviation, "max_loss_deviation": self.max_loss_deviation,
-            "divergences": [d.to_dict() for d in self.divergences], "checks": self.checks,
+            "scenario": self.scenario,
+            "strategy": self.strategy,
+            "status": self.status,
+            "reason": self.reason,
+            "max_param_deviation": self.max_param_deviation,
+            "max_loss_deviation": self.max_loss_deviation,
+            "divergences": [d.to_dict() for d in self.divergences],
+            "checks": self.checks,
             "gradient_sync_per_step": self.gradient_sync_per_step,
             "diagnosis": self.diagnosis.to_dict() if self.diagnosis is not None else None,
             "summary": self.summary(),
@@ -271,13 +286,31 @@ class _Checker:
     def fail(self, run: str, quantity: str, **kw: Any) -> None:
         self.divergences.append(Divergence(self.scenario.name, run, quantity, **kw))
 
-    def _close(self, run: str, against: str, quantity: str, step: int | None, a: float, b: float, tol: float,
-               kind: str, track_loss: bool = False) -> None:
+    def _close(
+        self,
+        run: str,
+        against: str,
+        quantity: str,
+        step: int | None,
+        a: float,
+        b: float,
+        tol: float,
+        kind: str,
+        track_loss: bool = False,
+    ) -> None:
         if not (math.isfinite(a) and math.isfinite(b)):
             # fp16 overflow steps: both must be non-finite (nan and inf alike).
             if math.isfinite(a) != math.isfinite(b):
-                self.fail(run, quantity, step=step, expected=b, got=a, against=against,
-                          note="one is finite, the other is not", kind=kind)
+                self.fail(
+                    run,
+                    quantity,
+                    step=step,
+                    expected=b,
+                    got=a,
+                    against=against,
+                    note="one is finite, the other is not",
+                    kind=kind,
+                )
             return
         # Relative, with a floor far below every scenario's losses and norms:
         # an absolute floor of 1 would make the check blind for small losses
@@ -286,8 +319,9 @@ class _Checker:
         if track_loss:
             self.max_loss = dev if self.max_loss is None else max(self.max_loss, dev)
         if dev > tol:
-            self.fail(run, quantity, step=step, expected=b, got=a, deviation=dev, tolerance=tol, against=against,
-                      kind=kind)
+            self.fail(
+                run, quantity, step=step, expected=b, got=a, deviation=dev, tolerance=tol, against=against, kind=kind
+            )
 
     def steps(self, run: str, trace: dict[str, Any], ref: dict[str, Any], against: str, *, exact_range: bool) -> None:
         """Per-step numbers of ``trace`` against ``ref``, matched by step index."""
@@ -301,31 +335,61 @@ class _Checker:
             a = got[step]
             if step not in want:
                 if not exact_range:
-                    self.fail(run, "steps run", step=step, against=against, note="the reference has no such step",
-                              kind="counts")
+                    self.fail(
+                        run,
+                        "steps run",
+                        step=step,
+                        against=against,
+                        note="the reference has no such step",
+                        kind="counts",
+                    )
                 continue
             b = want[step]
             if a["skipped"] != b["skipped"]:
-                self.fail(run, "skipped", step=step, expected=b["skipped"], got=a["skipped"], against=against,
-                          kind="skipped")
+                self.fail(
+                    run, "skipped", step=step, expected=b["skipped"], got=a["skipped"], against=against, kind="skipped"
+                )
             self._close(run, against, "loss", step, a["loss"], b["loss"], self.tol.loss, "loss", track_loss=True)
             if len(a["micro_losses"]) != len(b["micro_losses"]):
-                self.fail(run, "micro-batch count", step=step, expected=len(b["micro_losses"]),
-                          got=len(a["micro_losses"]), against=against, kind="counts")
+                self.fail(
+                    run,
+                    "micro-batch count",
+                    step=step,
+                    expected=len(b["micro_losses"]),
+                    got=len(a["micro_losses"]),
+                    against=against,
+                    kind="counts",
+                )
             else:
                 for i, (x, y) in enumerate(zip(a["micro_losses"], b["micro_losses"])):
                     self._close(run, against, f"micro-batch {i} loss", step, x, y, self.tol.loss, "loss")
-            self._close(run, against, "grad_norm", step, a["grad_norm"], b["grad_norm"], self.tol.grad_norm,
-                        "grad_norm")
+            self._close(
+                run, against, "grad_norm", step, a["grad_norm"], b["grad_norm"], self.tol.grad_norm, "grad_norm"
+            )
             if len(a["lrs"]) != len(b["lrs"]):
-                self.fail(run, "parameter groups", step=step, expected=len(b["lrs"]), got=len(a["lrs"]),
-                          against=against, kind="lr")
+                self.fail(
+                    run,
+                    "parameter groups",
+                    step=step,
+                    expected=len(b["lrs"]),
+                    got=len(a["lrs"]),
+                    against=against,
+                    kind="lr",
+                )
             else:
                 for g, (x, y) in enumerate(zip(a["lrs"], b["lrs"])):
                     self._close(run, against, f"lr (group {g})", step, x, y, self.tol.lr, "lr")
 
-    def state(self, run: str, got: dict[str, torch.Tensor] | None, want: dict[str, torch.Tensor] | None,
-              against: str, *, track: bool = True, buffers: Iterable[str] = ()) -> None:
+    def state(
+        self,
+        run: str,
+        got: dict[str, torch.Tensor] | None,
+        want: dict[str, torch.Tensor] | None,
+        against: str,
+        *,
+        track: bool = True,
+        buffers: Iterable[str] = (),
+    ) -> None:
         """Final canonical state dicts: same names, shapes and values within ``tol.param``."""
         if got is None or want is None:
             self.fail(run, "final state", against=against, note="missing (the run produced no state)", kind="state")
@@ -333,25 +397,39 @@ class _Checker:
         buffers = set(buffers)
         if set(got) != set(want):
             missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-            self.fail(run, "state_dict keys", expected=f"missing {missing}", got=f"extra {extra}", against=against,
-                      kind="state")
+            self.fail(
+                run,
+                "state_dict keys",
+                expected=f"missing {missing}",
+                got=f"extra {extra}",
+                against=against,
+                kind="state",
+            )
         worst = 0.0
         for name in sorted(set(got) & set(want)):
             a, b = got[name], want[name]
             what = "buffer" if name in buffers else "parameter"
             kind = "buffer" if name in buffers else "state"
             if tuple(a.shape) != tuple(b.shape):
-                self.fail(run, f"state[{name!r}] shape", expected=tuple(b.shape), got=tuple(a.shape), against=against,
-                          kind=kind)
+                self.fail(
+                    run,
+                    f"state[{name!r}] shape",
+                    expected=tuple(b.shape),
+                    got=tuple(a.shape),
+                    against=against,
+                    kind=kind,
+                )
                 continue
             if a.is_floating_point() != b.is_floating_point():
-                self.fail(run, f"state[{name!r}] dtype", expected=str(b.dtype), got=str(a.dtype), against=against,
-                          kind=kind)
+                self.fail(
+                    run, f"state[{name!r}] dtype", expected=str(b.dtype), got=str(a.dtype), against=against, kind=kind
+                )
                 continue
             if not a.is_floating_point():
                 if not torch.equal(a, b):
-                    self.fail(run, f"final {what} {name!r}", expected=b.tolist(), got=a.tolist(), against=against,
-                              kind=kind)
+                    self.fail(
+                        run, f"final {what} {name!r}", expected=b.tolist(), got=a.tolist(), against=against, kind=kind
+                    )
                 continue
             if a.numel() == 0:
                 continue
@@ -359,37 +437,76 @@ class _Checker:
             dev = float(diff.max()) if bool(torch.isfinite(diff).all()) else math.inf
             worst = max(worst, dev)
             if dev > self.tol.param:
-                self.fail(run, f"final {what} {name!r}", deviation=dev, tolerance=self.tol.param, against=against,
-                          note="max abs difference of the canonical (fp32) state", kind=kind)
+                self.fail(
+                    run,
+                    f"final {what} {name!r}",
+                    deviation=dev,
+                    tolerance=self.tol.param,
+                    against=against,
+                    note="max abs difference of the canonical (fp32) state",
+                    kind=kind,
+                )
         if track:
             self.max_param = worst if self.max_param is None else max(self.max_param, worst)
 
-    def buffer_snapshots(self, run: str, got: dict[int, dict[str, torch.Tensor]] | None,
-                         want: dict[int, dict[str, torch.Tensor]] | None, against: str) -> None:
+    def buffer_snapshots(
+        self,
+        run: str,
+        got: dict[int, dict[str, torch.Tensor]] | None,
+        want: dict[int, dict[str, torch.Tensor]] | None,
+        against: str,
+    ) -> None:
         """Canonical buffers at every checkpoint both runs wrote (keyed by steps done)."""
         if not want:
             return
         got = got or {}
         for done in sorted(want):
             if done not in got:
-                self.fail(run, "buffers at checkpoint", step=done - 1, expected=f"a checkpoint after {done} steps",
-                          got=sorted(got), against=against, kind="buffer")
+                self.fail(
+                    run,
+                    "buffers at checkpoint",
+                    step=done - 1,
+                    expected=f"a checkpoint after {done} steps",
+                    got=sorted(got),
+                    against=against,
+                    kind="buffer",
+                )
                 continue
             for name, b in want[done].items():
                 a = got[done].get(name)
                 if a is None:
-                    self.fail(run, f"buffer {name!r} at checkpoint", step=done - 1, note="missing", against=against,
-                              kind="buffer")
+                    self.fail(
+                        run,
+                        f"buffer {name!r} at checkpoint",
+                        step=done - 1,
+                        note="missing",
+                        against=against,
+                        kind="buffer",
+                    )
                 elif a.is_floating_point():
                     dev = float((a.double() - b.double()).abs().max()) if a.shape == b.shape else math.inf
                     if dev > self.tol.param:
-                        self.fail(run, f"buffer {name!r} at checkpoint", step=done - 1, deviation=dev,
-                                  tolerance=self.tol.param, against=against, kind="buffer",
-                                  note=f"canonical buffer after {done} optimizer steps")
+                        self.fail(
+                            run,
+                            f"buffer {name!r} at checkpoint",
+                            step=done - 1,
+                            deviation=dev,
+                            tolerance=self.tol.param,
+                            against=against,
+                            kind="buffer",
+                            note=f"canonical buffer after {done} optimizer steps",
+                        )
                 elif not torch.equal(a, b):
-                    self.fail(run, f"buffer {name!r} at checkpoint", step=done - 1, expected=b.tolist(),
-                              got=a.tolist(), against=against, kind="buffer",
-                              note=f"canonical buffer after {done} optimizer steps")
+                    self.fail(
+                        run,
+                        f"buffer {name!r} at checkpoint",
+                        step=done - 1,
+                        expected=b.tolist(),
+                        got=a.tolist(),
+                        against=against,
+                        kind="buffer",
+                        note=f"canonical buffer after {done} optimizer steps",
+                    )
 
 
 # --------------------------------------------------------------------------- #
@@ -417,36 +534,62 @@ def _check_premises(c: _Checker, scenario: Scenario, ref_runs: dict[str, dict[st
         c.checks.append(f"premise: the reference's pre-clip norm exceeds {scenario.grad_clip_norm} at every step")
         for s in steps:
             if not s["grad_norm"] > (scenario.grad_clip_norm or 0.0):
-                c.fail("reference", "premise: clipping clips", step=s["step"], kind="premise",
-                       note=f"reference grad norm {s['grad_norm']:.4g} <= clip {scenario.grad_clip_norm}")
+                c.fail(
+                    "reference",
+                    "premise: clipping clips",
+                    step=s["step"],
+                    kind="premise",
+                    note=f"reference grad norm {s['grad_norm']:.4g} <= clip {scenario.grad_clip_norm}",
+                )
         control = ref_runs.get("unclipped")
         if control is not None and control.get("state") is not None and ref_first.get("state") is not None:
-            c.checks.append("premise: the clipped reference ends far (> 100x the parameter tolerance) from its "
-                            "unclipped control run")
+            c.checks.append(
+                "premise: the clipped reference ends far (> 100x the parameter tolerance) from its "
+                "unclipped control run"
+            )
             _, dev = state_deviation(ref_first["state"], control["state"])
             if dev <= 100 * c.tol.param:
-                c.fail("reference", "premise: clipping changes the update", deviation=dev, kind="premise",
-                       note=f"the clipped and unclipped reference runs end {dev:.3g} apart: clipping clipped nothing")
+                c.fail(
+                    "reference",
+                    "premise: clipping changes the update",
+                    deviation=dev,
+                    kind="premise",
+                    note=f"the clipped and unclipped reference runs end {dev:.3g} apart: clipping clipped nothing",
+                )
     if "overflow" in scenario.premises:
         poison = scenario.poison_step()
-        c.checks.append(f"premise: the reference skips exactly step {poison} (fp16 overflow) and its scheduler "
-                        "does not advance there")
+        c.checks.append(
+            f"premise: the reference skips exactly step {poison} (fp16 overflow) and its scheduler "
+            "does not advance there"
+        )
         skipped = [s["step"] for s in steps if s["skipped"]]
         if skipped != [poison]:
             c.fail("reference", "premise: overflow skips one step", expected=[poison], got=skipped, kind="premise")
         counts = ref_first.get("counts", {})
         expected = len(steps) - 1
         if counts.get("optimizer_steps") != expected or counts.get("scheduler_steps") != expected:
-            c.fail("reference", "premise: skipped step not counted", expected=expected, kind="premise",
-                   got=(counts.get("optimizer_steps"), counts.get("scheduler_steps")))
+            c.fail(
+                "reference",
+                "premise: skipped step not counted",
+                expected=expected,
+                kind="premise",
+                got=(counts.get("optimizer_steps"), counts.get("scheduler_steps")),
+            )
     if "buffers_change" in scenario.premises:
-        c.checks.append("premise: every buffer of the reference changes between consecutive checkpoints (the "
-                        "step counter by the micro-batches run)")
+        c.checks.append(
+            "premise: every buffer of the reference changes between consecutive checkpoints (the "
+            "step counter by the micro-batches run)"
+        )
         initial = dict(build_model(scenario.model).named_buffers())
         snapshots = ref_first.get("buffer_snapshots") or {}
         if len(snapshots) < 2:
-            c.fail("reference", "premise: buffers recorded at checkpoints", expected=">= 2 checkpoints",
-                   got=sorted(snapshots), kind="premise")
+            c.fail(
+                "reference",
+                "premise: buffers recorded at checkpoints",
+                expected=">= 2 checkpoints",
+                got=sorted(snapshots),
+                kind="premise",
+            )
         previous, prev_done = initial, 0
         for done in sorted(snapshots):
             for name, value in snapshots[done].items():
@@ -454,12 +597,23 @@ def _check_premises(c: _Checker, scenario: Scenario, ref_runs: dict[str, dict[st
                 if value.is_floating_point():
                     moved = float((value.double() - before.double()).abs().max())
                     if moved <= 100 * c.tol.param:
-                        c.fail("reference", f"premise: buffer {name!r} changes", step=done - 1, deviation=moved,
-                               kind="premise", note=f"moved only {moved:.3g} since step {prev_done}")
+                        c.fail(
+                            "reference",
+                            f"premise: buffer {name!r} changes",
+                            step=done - 1,
+                            deviation=moved,
+                            kind="premise",
+                            note=f"moved only {moved:.3g} since step {prev_done}",
+                        )
                 elif int(value) - int(before) != (done - prev_done) * scenario.accumulate_grad_batches:
-                    c.fail("reference", f"premise: buffer {name!r} counts forwards", step=done - 1, kind="premise",
-                           expected=int(before) + (done - prev_done) * scenario.accumulate_grad_batches,
-                           got=int(value))
+                    c.fail(
+                        "reference",
+                        f"premise: buffer {name!r} counts forwards",
+                        step=done - 1,
+                        kind="premise",
+                        expected=int(before) + (done - prev_done) * scenario.accumulate_grad_batches,
+                        got=int(value),
+                    )
             previous, prev_done = snapshots[done], done
 
 
@@ -472,49 +626,96 @@ def _check_rank_consistency(c: _Checker, label: str, trace: dict[str, Any]) -> N
         if rt.get("hooks") != trace.get("hooks"):
             c.fail(label, f"hook sequence on rank {r}", note="differs from rank 0's", kind="rank")
         if not _same_steps(rt.get("steps"), trace.get("steps")):
-            c.fail(label, f"per-step numbers on rank {r}", kind="rank",
-                   note="differ from rank 0's (must be identical on every rank)")
+            c.fail(
+                label,
+                f"per-step numbers on rank {r}",
+                kind="rank",
+                note="differ from rank 0's (must be identical on every rank)",
+            )
         if r > 0 and rt.get("state") is not None and trace.get("state") is not None:
             name, dev = state_deviation(rt["state"], trace["state"])
             if dev > c.tol.param:
-                c.fail(label, f"final state on rank {r}", deviation=dev, tolerance=c.tol.param, kind="rank",
-                       note=f"rank {r}'s canonical state differs from rank 0's (worst: {name!r}): replicas ended apart")
+                c.fail(
+                    label,
+                    f"final state on rank {r}",
+                    deviation=dev,
+                    tolerance=c.tol.param,
+                    kind="rank",
+                    note=f"rank {r}'s canonical state differs from rank 0's (worst: {name!r}): replicas ended apart",
+                )
         if r > 0 and rt.get("buffer_snapshots") and trace.get("buffer_snapshots"):
             for done, snap in sorted(rt["buffer_snapshots"].items()):
                 name, dev = state_deviation(snap, trace["buffer_snapshots"].get(done, {}))
-                ints_differ = any(not v.is_floating_point() and not torch.equal(v, trace["buffer_snapshots"]
-                                  .get(done, {}).get(k, v)) for k, v in snap.items())
+                ints_differ = any(
+                    not v.is_floating_point() and not torch.equal(v, trace["buffer_snapshots"].get(done, {}).get(k, v))
+                    for k, v in snap.items()
+                )
                 if dev > c.tol.param or ints_differ:
-                    c.fail(label, f"buffers at checkpoint on rank {r}", step=done - 1, kind="rank",
-                           deviation=dev, tolerance=c.tol.param,
-                           note=f"rank {r}'s buffers differ from rank 0's (worst: {name!r})")
+                    c.fail(
+                        label,
+                        f"buffers at checkpoint on rank {r}",
+                        step=done - 1,
+                        kind="rank",
+                        deviation=dev,
+                        tolerance=c.tol.param,
+                        note=f"rank {r}'s buffers differ from rank 0's (worst: {name!r})",
+                    )
         counts = rt.get("counts") or {}
         done = counts.get("optimizer_steps", 0) - counts.get("optimizer_steps_at_start", 0)
         if counts.get("optimizers_built", 1) == 0:
-            c.fail(label, f"optimizer on rank {r}", expected="built by the user's optimizer factory",
-                   got="the factory was never called", kind="counts")
+            c.fail(
+                label,
+                f"optimizer on rank {r}",
+                expected="built by the user's optimizer factory",
+                got="the factory was never called",
+                kind="counts",
+            )
         elif counts.get("optimizer_updates_observed") != done:
-            c.fail(label, f"real optimizer updates on rank {r}", expected=done,
-                   got=counts.get("optimizer_updates_observed"), kind="counts",
-                   note="optimizer steps in which the optimizer built by the user's factory was stepped, "
-                        "vs the trainer's count")
+            c.fail(
+                label,
+                f"real optimizer updates on rank {r}",
+                expected=done,
+                got=counts.get("optimizer_updates_observed"),
+                kind="counts",
+                note="optimizer steps in which the optimizer built by the user's factory was stepped, "
+                "vs the trainer's count",
+            )
         for s in rt.get("steps") or []:
             if s["skipped"] and s.get("optimizer_step_calls"):
-                c.fail(label, f"optimizer stepped on a skipped step on rank {r}", step=s["step"],
-                       expected=0, got=s["optimizer_step_calls"], kind="counts")
+                c.fail(
+                    label,
+                    f"optimizer stepped on a skipped step on rank {r}",
+                    step=s["step"],
+                    expected=0,
+                    got=s["optimizer_step_calls"],
+                    kind="counts",
+                )
         last_epoch = counts.get("scheduler_last_epoch")
         if last_epoch is not None and last_epoch != counts.get("scheduler_steps"):
-            c.fail(label, f"scheduler steps on rank {r}", expected=counts.get("scheduler_steps"), got=last_epoch,
-                   note="the scheduler's last_epoch vs the trainer's count", kind="counts")
+            c.fail(
+                label,
+                f"scheduler steps on rank {r}",
+                expected=counts.get("scheduler_steps"),
+                got=last_epoch,
+                note="the scheduler's last_epoch vs the trainer's count",
+                kind="counts",
+            )
     for s in trace.get("steps", []):
         hn = s.get("hook_grad_norm")
         if hn is None or not ((math.isnan(hn) and math.isnan(s["grad_norm"])) or hn == s["grad_norm"]):
-            c.fail(label, "grad norm given to unison_on_before_optimizer_step", step=s["step"],
-                   expected=s["grad_norm"], got=hn, kind="hooks")
+            c.fail(
+                label,
+                "grad norm given to unison_on_before_optimizer_step",
+                step=s["step"],
+                expected=s["grad_norm"],
+                got=hn,
+                kind="hooks",
+            )
 
 
 def _same_steps(a: Any, b: Any) -> bool:
     """Exact equality of per-step records, where nan equals nan (skipped fp16 steps)."""
+
     def norm(x: Any) -> Any:
         if isinstance(x, float) and math.isnan(x):
             return "nan"
@@ -524,11 +725,13 @@ def _same_steps(a: Any, b: Any) -> bool:
         if isinstance(x, list):
             return [norm(v) for v in x]
         return x
+
     return norm(a) == norm(b)
 
 
-def _check_accumulation(c: _Checker, scenario: Scenario, label: str, trace: dict[str, Any],
-                        data_parallel: bool) -> None:
+def _check_accumulation(
+    c: _Checker, scenario: Scenario, label: str, trace: dict[str, Any], data_parallel: bool
+) -> None:
     owner = trace.get("accumulation_owner")
     a = scenario.accumulate_grad_batches
     n_steps = len(trace.get("steps", []))
@@ -537,18 +740,27 @@ def _check_accumulation(c: _Checker, scenario: Scenario, label: str, trace: dict
         c.checks.append(f"{label}: engine boundary answered at the last of {a} micro-steps only")
         for r, rt in enumerate(trace.get("ranks") or [trace]):
             if rt.get("boundaries") != expected:
-                c.fail(label, f"is_accumulation_boundary() on rank {r}", expected=expected, got=rt.get("boundaries"),
-                       kind="boundary")
+                c.fail(
+                    label,
+                    f"is_accumulation_boundary() on rank {r}",
+                    expected=expected,
+                    got=rt.get("boundaries"),
+                    kind="boundary",
+                )
     if owner != AccumulationOwner.TRAINER.value or not data_parallel:
         return
     sync = trace.get("accumulation_sync", GradSync.BOUNDARY.value)
     if sync == GradSync.BOUNDARY.value:
         if a > 1:
-            c.checks.append(f"{label}: declared boundary sync: no gradient all-reduce/reduce-scatter inside "
-                            "no_sync() or in any micro-step but the last, on any rank")
+            c.checks.append(
+                f"{label}: declared boundary sync: no gradient all-reduce/reduce-scatter inside "
+                "no_sync() or in any micro-step but the last, on any rank"
+            )
     else:
-        c.checks.append(f"{label}: declared every-micro-step sync: no_sync() never entered, gradient collectives "
-                        "at every micro-step on every rank")
+        c.checks.append(
+            f"{label}: declared every-micro-step sync: no_sync() never entered, gradient collectives "
+            "at every micro-step on every rank"
+        )
     c.checks.append(f"{label}: at least one gradient collective per optimizer step")
     for r, rt in enumerate(trace.get("ranks") or [trace]):
         coll = rt.get("collectives")
@@ -560,34 +772,69 @@ def _check_accumulation(c: _Checker, scenario: Scenario, label: str, trace: dict
             if a > 1:
                 expected_entries = (a - 1) * n_steps
                 if coll["no_sync_entries"] != expected_entries:
-                    c.fail(label, f"no_sync() entries on rank {r}", expected=expected_entries,
-                           got=coll["no_sync_entries"], kind="sync")
+                    c.fail(
+                        label,
+                        f"no_sync() entries on rank {r}",
+                        expected=expected_entries,
+                        got=coll["no_sync_entries"],
+                        kind="sync",
+                    )
                 if coll["gradient_sync_in_no_sync"]:
-                    c.fail(label, f"gradient collectives inside no_sync() on rank {r}", expected=0,
-                           got=coll["gradient_sync_in_no_sync"], kind="sync",
-                           note="declared GradSync.BOUNDARY: gradients must not be synchronised on non-boundary "
-                                "micro-steps")
+                    c.fail(
+                        label,
+                        f"gradient collectives inside no_sync() on rank {r}",
+                        expected=0,
+                        got=coll["gradient_sync_in_no_sync"],
+                        kind="sync",
+                        note="declared GradSync.BOUNDARY: gradients must not be synchronised on non-boundary "
+                        "micro-steps",
+                    )
                 for step, counts in enumerate(micro):
                     early = counts[:-1]
                     if any(early):
-                        c.fail(label, f"gradient collectives before the last micro-step on rank {r}", step=step,
-                               expected=[0] * len(early), got=early, kind="sync",
-                               note="declared GradSync.BOUNDARY (synchronised at the boundary only)")
+                        c.fail(
+                            label,
+                            f"gradient collectives before the last micro-step on rank {r}",
+                            step=step,
+                            expected=[0] * len(early),
+                            got=early,
+                            kind="sync",
+                            note="declared GradSync.BOUNDARY (synchronised at the boundary only)",
+                        )
                         break
         else:
             if coll["no_sync_entries"]:
-                c.fail(label, f"no_sync() entries on rank {r}", expected=0, got=coll["no_sync_entries"], kind="sync",
-                       note="declared GradSync.EVERY_MICRO_STEP: the trainer enters no no_sync()")
+                c.fail(
+                    label,
+                    f"no_sync() entries on rank {r}",
+                    expected=0,
+                    got=coll["no_sync_entries"],
+                    kind="sync",
+                    note="declared GradSync.EVERY_MICRO_STEP: the trainer enters no no_sync()",
+                )
             for step, counts in enumerate(micro):
                 if len(counts) != a or not all(counts):
-                    c.fail(label, f"gradient collectives per micro-step on rank {r}", step=step,
-                           expected=f"{a} micro-steps, each >= 1", got=counts, kind="sync",
-                           note="declared GradSync.EVERY_MICRO_STEP (synchronised at every micro-step)")
+                    c.fail(
+                        label,
+                        f"gradient collectives per micro-step on rank {r}",
+                        step=step,
+                        expected=f"{a} micro-steps, each >= 1",
+                        got=counts,
+                        kind="sync",
+                        note="declared GradSync.EVERY_MICRO_STEP (synchronised at every micro-step)",
+                    )
                     break
         for step, n in enumerate(coll["gradient_sync_per_step"]):
             if n < 1:
-                c.fail(label, f"gradient collectives on rank {r}", step=step, expected=">= 1", got=n, kind="sync",
-                       note="gradients were never synchronised")
+                c.fail(
+                    label,
+                    f"gradient collectives on rank {r}",
+                    step=step,
+                    expected=">= 1",
+                    got=n,
+                    kind="sync",
+                    note="gradients were never synchronised",
+                )
 
 
 def declared_refusals(ownership: dict[str, Any], world_size: int) -> dict[str, str]:
@@ -608,8 +855,9 @@ def declared_refusals(ownership: dict[str, Any], world_size: int) -> dict[str, s
     return out
 
 
-def judge_refusal(scenario: Scenario, run: Run, trace: dict[str, Any], ownership: dict[str, Any],
-                  world_size: int) -> tuple[str | None, Divergence | None]:
+def judge_refusal(
+    scenario: Scenario, run: Run, trace: dict[str, Any], ownership: dict[str, Any], world_size: int
+) -> tuple[str | None, Divergence | None]:
     """A refused run: ``(reason, None)`` when the declaration allows it, else ``(None, failure)``."""
     refusal = trace.get("refusal") or {}
     needed = needs(scenario, run)
@@ -621,18 +869,26 @@ def judge_refusal(scenario: Scenario, run: Run, trace: dict[str, Any], ownership
     message = refusal.get("message") or trace.get("reason") or "?"
     if feature is not None and feature not in declared:
         return None, Divergence(
-            scenario.name, label, "undeclared refusal", kind="refusal", got=message,
+            scenario.name,
+            label,
+            "undeclared refusal",
+            kind="refusal",
+            got=message,
             note=f"refused {feature} although it declares it supported (unison.DeclaredRefusal naming a feature "
-                 "the declaration does not refuse)",
+            "the declaration does not refuse)",
         )
     if hit:
         return "; ".join(f"declares {k} refused: {why}" for k, why in hit.items()), None
     what = refusal.get("option") or "the run"
     asked = ", ".join(needed)
     return None, Divergence(
-        scenario.name, label, "undeclared refusal", kind="refusal", got=message,
+        scenario.name,
+        label,
+        "undeclared refusal",
+        kind="refusal",
+        got=message,
         note=f"refused {what} although it declares it supported: its declaration refuses none of what this run "
-             f"needs ({asked}); declare the refusal (Ownership.refuses, precision, world_sizes) or support it",
+        f"needs ({asked}); declare the refusal (Ownership.refuses, precision, world_sizes) or support it",
     )
 
 
@@ -664,8 +920,12 @@ def judge_scenario(
         if run.backend == "reference" and not (run.resume_from or "").startswith("strategy:"):
             t = ref_runs.get(run.id)
             if t is None or t["status"] != "ok":
-                c.fail(_label("reference", run.id), "reference run", kind="premise",
-                       note=f"the reference itself failed: {_error_line(t or {})}")
+                c.fail(
+                    _label("reference", run.id),
+                    "reference run",
+                    kind="premise",
+                    note=f"the reference itself failed: {_error_line(t or {})}",
+                )
     if c.divergences:
         return _finish(v, c)
     _check_premises(c, scenario, ref_runs)
@@ -687,8 +947,10 @@ def judge_scenario(
             dropped.add(run.id)
         elif run.world == "alt":
             dropped.add(run.id)
-            c.checks.append(f"strategy:{run.id} refused world size {world} ({reason}); the world-size change is "
-                            "verified under single only")
+            c.checks.append(
+                f"strategy:{run.id} refused world size {world} ({reason}); the world-size change is "
+                "verified under single only"
+            )
         else:
             declared_out.append(f"strategy:{run.id} refused ({reason})")
             dropped.add(run.id)
@@ -733,12 +995,25 @@ def judge_scenario(
             else:
                 if t["hooks"] != twin["hooks"]:
                     first = _first_difference(twin["hooks"], t["hooks"])
-                    c.fail(label, "hook sequence", expected=first[0], got=first[1], against=against, kind="hooks",
-                           note=f"first difference at call {first[2]}")
+                    c.fail(
+                        label,
+                        "hook sequence",
+                        expected=first[0],
+                        got=first[1],
+                        against=against,
+                        kind="hooks",
+                        note=f"first difference at call {first[2]}",
+                    )
                 for key in ("optimizer_steps", "scheduler_steps"):
                     if t["counts"][key] != twin["counts"][key]:
-                        c.fail(label, key.replace("_", " "), expected=twin["counts"][key], got=t["counts"][key],
-                               against=against, kind="counts")
+                        c.fail(
+                            label,
+                            key.replace("_", " "),
+                            expected=twin["counts"][key],
+                            got=t["counts"][key],
+                            against=against,
+                            kind="counts",
+                        )
                 c.steps(label, t, twin, against, exact_range=True)
                 c.buffer_snapshots(label, t.get("buffer_snapshots"), twin.get("buffer_snapshots"), against)
                 c.state(label, t.get("state"), twin.get("state"), against, buffers=buffers)
@@ -765,8 +1040,9 @@ def judge_scenario(
     return v
 
 
-def _compare_to_truth(c: _Checker, run: Run, label: str, t: dict[str, Any],
-                      ref_runs: dict[str, dict[str, Any]], buffers: Iterable[str]) -> None:
+def _compare_to_truth(
+    c: _Checker, run: Run, label: str, t: dict[str, Any], ref_runs: dict[str, dict[str, Any]], buffers: Iterable[str]
+) -> None:
     truth = ref_runs.get(run.truth or "")
     against = _label("reference", run.truth or "?")
     if truth is None or truth["status"] != "ok":
@@ -791,11 +1067,15 @@ def _check_same_sync(c: _Checker, scenario: Scenario, result: StrategyResult) ->
         return
     every = mine.get("accumulation_sync") == GradSync.EVERY_MICRO_STEP.value
     if every:
-        c.checks.append(f"gradient collectives at every micro-step equal one optimizer step of "
-                        f"{scenario.same_sync_as!r} (accumulation 1): a full sync per micro-step, as declared")
+        c.checks.append(
+            f"gradient collectives at every micro-step equal one optimizer step of "
+            f"{scenario.same_sync_as!r} (accumulation 1): a full sync per micro-step, as declared"
+        )
     else:
-        c.checks.append(f"gradient collectives per optimizer step equal those of {scenario.same_sync_as!r} "
-                        f"(accumulation 1): one sync per optimizer step, not per micro-step")
+        c.checks.append(
+            f"gradient collectives per optimizer step equal those of {scenario.same_sync_as!r} "
+            f"(accumulation 1): one sync per optimizer step, not per micro-step"
+        )
     for r, (a, b) in enumerate(zip(mine.get("ranks") or [mine], other.get("ranks") or [other])):
         ca, cb = a.get("collectives") or {}, b.get("collectives") or {}
         gb = cb.get("gradient_sync_per_step")
@@ -805,9 +1085,15 @@ def _check_same_sync(c: _Checker, scenario: Scenario, result: StrategyResult) ->
                 continue
             for step, (counts, want) in enumerate(zip(micro, gb)):
                 if any(n != want for n in counts):
-                    c.fail(_label("strategy", "main"), f"gradient collectives per micro-step on rank {r}", step=step,
-                           expected=[want] * len(counts), got=counts, against=f"scenario {scenario.same_sync_as!r}",
-                           kind="sync")
+                    c.fail(
+                        _label("strategy", "main"),
+                        f"gradient collectives per micro-step on rank {r}",
+                        step=step,
+                        expected=[want] * len(counts),
+                        got=counts,
+                        against=f"scenario {scenario.same_sync_as!r}",
+                        kind="sync",
+                    )
                     break
             continue
         ga = ca.get("gradient_sync_per_step")
@@ -815,8 +1101,15 @@ def _check_same_sync(c: _Checker, scenario: Scenario, result: StrategyResult) ->
             continue
         if ga != gb[: len(ga)]:
             step = next((i for i, (x, y) in enumerate(zip(ga, gb)) if x != y), None)
-            c.fail(_label("strategy", "main"), f"gradient collectives per optimizer step on rank {r}", step=step,
-                   expected=gb[: len(ga)], got=ga, against=f"scenario {scenario.same_sync_as!r}", kind="sync")
+            c.fail(
+                _label("strategy", "main"),
+                f"gradient collectives per optimizer step on rank {r}",
+                step=step,
+                expected=gb[: len(ga)],
+                got=ga,
+                against=f"scenario {scenario.same_sync_as!r}",
+                kind="sync",
+            )
 
 
 def _describe_run_checks(run: Run) -> str:
@@ -824,8 +1117,9 @@ def _describe_run_checks(run: Run) -> str:
     if run.perturb:
         parts.append(f"started with perturbed {run.perturb} on every rank but 0")
     if run.twin:
-        parts.append(f"hooks, step counts, per-step loss/lr/grad norm, checkpoint buffers and final state = "
-                     f"reference:{run.twin}")
+        parts.append(
+            f"hooks, step counts, per-step loss/lr/grad norm, checkpoint buffers and final state = reference:{run.twin}"
+        )
     if run.truth:
         parts.append(f"per-step numbers and final state = reference:{run.truth} (uninterrupted)")
     if run.same_as:
@@ -869,20 +1163,37 @@ def _judge_declarations(scenario: Scenario, result: StrategyResult, v: Verdict) 
         if o["declared"] == "unsupported":
             c.checks.append(f"{p}: declared unsupported ({o['detail']}): ConfigurationError at construction")
             if raised is None:
-                c.fail(label, "declared-unsupported precision", expected="ConfigurationError", got="accepted",
-                       kind="declaration")
+                c.fail(
+                    label,
+                    "declared-unsupported precision",
+                    expected="ConfigurationError",
+                    got="accepted",
+                    kind="declaration",
+                )
             elif not raised["is_configuration_error"]:
-                c.fail(label, "declared-unsupported precision", expected="ConfigurationError", got=raised["type"],
-                       note=raised["message"], kind="declaration")
+                c.fail(
+                    label,
+                    "declared-unsupported precision",
+                    expected="ConfigurationError",
+                    got=raised["type"],
+                    note=raised["message"],
+                    kind="declaration",
+                )
             elif p not in raised["message"]:
-                c.fail(label, "error message", note=f"does not name the precision: {raised['message']}",
-                       kind="declaration")
+                c.fail(
+                    label, "error message", note=f"does not name the precision: {raised['message']}", kind="declaration"
+                )
         else:
             c.checks.append(f"{p}: declared supported ({o['owner']}): accepted at construction")
             if raised is not None:
-                c.fail(label, "declared-supported precision", expected="accepted",
-                       got=f"{raised['type']}: {raised['message']}", kind="refusal",
-                       note=f"refused {p} although it declares it supported")
+                c.fail(
+                    label,
+                    "declared-supported precision",
+                    expected="accepted",
+                    got=f"{raised['type']}: {raised['message']}",
+                    kind="refusal",
+                    note=f"refused {p} although it declares it supported",
+                )
     if not c.divergences and not any(o["declared"] == "unsupported" for o in outcomes):
         v.reason = "no precision declared unsupported; every declared one is accepted"
     v = _finish(v, c)
@@ -893,14 +1204,27 @@ def _judge_declarations(scenario: Scenario, result: StrategyResult, v: Verdict) 
     return v
 
 
-def judge(result: StrategyResult, reference: dict[str, dict[str, dict[str, Any]]],
-          scenarios: Iterable[Scenario]) -> dict[str, Verdict]:
+def judge(
+    result: StrategyResult, reference: dict[str, dict[str, dict[str, Any]]], scenarios: Iterable[Scenario]
+) -> dict[str, Verdict]:
     """Every scenario's verdict for one strategy."""
     return {s.name: judge_scenario(s, result, reference) for s in scenarios}
 
 
 __all__ = [
-    "DECLARED_OUT", "FAIL", "PASS", "SKIPPED", "TOLERANCES", "Divergence", "Tolerance", "Verdict",
-    "declared_refusals", "judge", "judge_refusal", "judge_scenario", "state_deviation", "status_label",
+    "DECLARED_OUT",
+    "FAIL",
+    "PASS",
+    "SKIPPED",
+    "TOLERANCES",
+    "Divergence",
+    "Tolerance",
+    "Verdict",
+    "declared_refusals",
+    "judge",
+    "judge_refusal",
+    "judge_scenario",
+    "state_deviation",
+    "status_label",
     "tolerance_for",
 ]

@@ -39,17 +39,17 @@ import platform
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from unison.conformance.compare import DECLARED_OUT, FAIL, PASS, SKIPPED, TOLERANCES, Verdict, judge, status_label
 from unison.conformance.runner import REFERENCE, StrategyResult, Suite
 from unison.conformance.scenarios import SCENARIOS_BY_NAME, Scenario
 
 #: Line colours (matplotlib's tab10), one per strategy.
-COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
-          "#7f7f7f"]
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
 #: Relative deviations below this (exact agreement included) are drawn at this value on the log axis.
 PLOT_FLOOR = 1e-10
 #: Packages whose versions the report names (read from the installed metadata, nothing imported).
@@ -65,12 +65,15 @@ def _git_revision() -> dict[str, Any] | None:
     """The git commit of the unison source tree (editable installs, CI checkouts), or ``None``."""
     here = Path(__file__).resolve().parent
     try:
-        rev = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
+        rev = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         if rev.returncode != 0:
             return None
-        status = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True, timeout=10)
+        status = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return {"commit": rev.stdout.strip(), "dirty": bool(status.stdout.strip())}
@@ -122,9 +125,14 @@ class Certificate:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "strategy": self.strategy, "certified": self.certified, "label": self.label, "summary": self.summary,
-            "proven": self.proven, "declared_out": [{"scenario": s, "reason": r} for s, r in self.declared_out],
-            "failed": [{"scenario": s, "why": w} for s, w in self.failed], "skipped": self.skipped,
+            "strategy": self.strategy,
+            "certified": self.certified,
+            "label": self.label,
+            "summary": self.summary,
+            "proven": self.proven,
+            "declared_out": [{"scenario": s, "reason": r} for s, r in self.declared_out],
+            "failed": [{"scenario": s, "why": w} for s, w in self.failed],
+            "skipped": self.skipped,
             "non_conformant": self.non_conformant,
         }
 
@@ -132,8 +140,11 @@ class Certificate:
 def _certificate(result: StrategyResult, verdicts: dict[str, Verdict], world_size: int) -> Certificate:
     proven = [n for n, v in verdicts.items() if v.status == PASS]
     out = [(n, v.reason or "") for n, v in verdicts.items() if v.status == DECLARED_OUT]
-    failed = [(n, v.diagnosis.message() if v.diagnosis is not None else v.summary())
-              for n, v in verdicts.items() if v.status == FAIL]
+    failed = [
+        (n, v.diagnosis.message() if v.diagnosis is not None else v.summary())
+        for n, v in verdicts.items()
+        if v.status == FAIL
+    ]
     cert = Certificate(result.name, False, "", proven, out, failed, non_conformant=result.non_conformant)
     if result.status == "skipped":
         cert.skipped = result.reason
@@ -147,8 +158,9 @@ def _certificate(result: StrategyResult, verdicts: dict[str, Verdict], world_siz
         cert.summary = f"no training scenario proven at world size {world_size}: every one ran is declared out"
     else:
         cert.certified = True
-        cert.summary = (f"{len(proven)} scenario(s) proven at world size {world_size}"
-                        + (f", {len(out)} declared out" if out else ""))
+        cert.summary = f"{len(proven)} scenario(s) proven at world size {world_size}" + (
+            f", {len(out)} declared out" if out else ""
+        )
     return cert
 
 
@@ -168,7 +180,8 @@ class SuiteReport:
     reference_wall_s: float
     wall_s: float
     created: str = field(
-        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    )
     env: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -210,8 +223,7 @@ class SuiteReport:
         console = console or Console()
         for cert in self.certificates():
             style = "bold green" if cert.certified else "bold red"
-            console.print(f"[{style}]{escape(cert.strategy)}: {cert.label.upper()}[/{style}] – "
-                          f"{escape(cert.summary)}")
+            console.print(f"[{style}]{escape(cert.strategy)}: {cert.label.upper()}[/{style}] – {escape(cert.summary)}")
         table = Table(title=f"unison conformance (world size {self.world_size}; reference: {REFERENCE})")
         table.add_column("scenario", style="bold", no_wrap=True)
         for r in self.results:
@@ -233,7 +245,7 @@ class SuiteReport:
         notes = []
         for r in self.results:
             seen = set()
-            for name, v in self.verdicts[r.name].items():
+            for v in self.verdicts[r.name].values():
                 if v.status in (DECLARED_OUT, SKIPPED) and v.reason not in seen:
                     seen.add(v.reason)
                     scenarios = [n for n, w in self.verdicts[r.name].items() if w.reason == v.reason]
@@ -264,9 +276,18 @@ class SuiteReport:
             "certificates": [c.to_dict() for c in self.certificates()],
             "tolerances": {k: vars(v) for k, v in TOLERANCES.items()},
             "scenarios": [
-                {"name": s.name, "description": s.description, "model": s.model, "precision": s.precision,
-                 "accumulate_grad_batches": s.accumulate_grad_batches, "grad_clip_norm": s.grad_clip_norm,
-                 "optimizer": s.optimizer, "scheduler": s.scheduler, "max_steps": s.max_steps, "form": s.form}
+                {
+                    "name": s.name,
+                    "description": s.description,
+                    "model": s.model,
+                    "precision": s.precision,
+                    "accumulate_grad_batches": s.accumulate_grad_batches,
+                    "grad_clip_norm": s.grad_clip_norm,
+                    "optimizer": s.optimizer,
+                    "scheduler": s.scheduler,
+                    "max_steps": s.max_steps,
+                    "form": s.form,
+                }
                 for s in self.scenarios
             ],
             "strategies": [
@@ -311,20 +332,33 @@ class SuiteReport:
         template = env.get_template("report.html.j2")
         strategies = []
         for i, r in enumerate(self.results):
-            strategies.append({
-                "result": r, "certificate": self.certificate(r.name), "colour": COLORS[i % len(COLORS)],
-                "ownership_json": json.dumps(r.ownership, indent=2) if r.ownership else None,
-            })
+            strategies.append(
+                {
+                    "result": r,
+                    "certificate": self.certificate(r.name),
+                    "colour": COLORS[i % len(COLORS)],
+                    "ownership_json": json.dumps(r.ownership, indent=2) if r.ownership else None,
+                }
+            )
         scenarios = []
         for s in self.scenarios:
-            scenarios.append({
-                "scenario": s,
-                "plot": jinja2_markup(self.deviation_plot(s)) if s.kind == "train" else None,
-                "verdicts": [(r, self.verdicts[r.name][s.name]) for r in self.results],
-            })
+            scenarios.append(
+                {
+                    "scenario": s,
+                    "plot": jinja2_markup(self.deviation_plot(s)) if s.kind == "train" else None,
+                    "verdicts": [(r, self.verdicts[r.name][s.name]) for r in self.results],
+                }
+            )
         return template.render(
-            report=self, env=self.env, strategies=strategies, scenarios=scenarios, tolerances=TOLERANCES,
-            reference_name=REFERENCE, cell=_cell, PASS=PASS, FAIL=FAIL,
+            report=self,
+            env=self.env,
+            strategies=strategies,
+            scenarios=scenarios,
+            tolerances=TOLERANCES,
+            reference_name=REFERENCE,
+            cell=_cell,
+            PASS=PASS,
+            FAIL=FAIL,
         )
 
     # -- plots ------------------------------------------------------------- #
@@ -346,9 +380,15 @@ class SuiteReport:
                     if b is None:
                         continue
                     points.append((s["step"], _rel(s["loss"], b["loss"]), _rel(s["grad_norm"], b["grad_norm"])))
-                series.append({"label": f"{r.name} ({run.id} vs {REFERENCE} {against})", "strategy": r.name,
-                               "colour": COLORS[i % len(COLORS)], "style": ["-", "--", ":", "-."][j % 4],
-                               "points": points})
+                series.append(
+                    {
+                        "label": f"{r.name} ({run.id} vs {REFERENCE} {against})",
+                        "strategy": r.name,
+                        "colour": COLORS[i % len(COLORS)],
+                        "style": ["-", "--", ":", "-."][j % 4],
+                        "points": points,
+                    }
+                )
         return series
 
     def deviation_plot(self, scenario: Scenario) -> str:
@@ -368,19 +408,29 @@ class SuiteReport:
             legend_rows = math.ceil((len(series) + (tol is not None)) / 2)
             fig = Figure(figsize=(9.5, 3.0 + 0.2 * legend_rows), layout="constrained")
             axes = fig.subplots(1, 2, sharey=True)
-            for ax, index, quantity, ceiling in ((axes[0], 1, "loss", tol.loss if tol else None),
-                                                 (axes[1], 2, "grad norm", tol.grad_norm if tol else None)):
+            for ax, index, quantity, ceiling in (
+                (axes[0], 1, "loss", tol.loss if tol else None),
+                (axes[1], 2, "grad norm", tol.grad_norm if tol else None),
+            ):
                 for s in series:
                     xs = [p[0] for p in s["points"] if p[index] is not None]
                     ys = [max(p[index], PLOT_FLOOR) for p in s["points"] if p[index] is not None]
-                    ax.plot(xs, ys, s["style"], color=s["colour"], marker="o", markersize=3, linewidth=1.4,
-                            label=s["label"])
+                    ax.plot(
+                        xs, ys, s["style"], color=s["colour"], marker="o", markersize=3, linewidth=1.4, label=s["label"]
+                    )
                 if ceiling is not None:
-                    ax.axhline(ceiling, color="#444", linestyle=(0, (4, 3)), linewidth=1,
-                               label=f"ceiling ({scenario.precision})")
+                    ax.axhline(
+                        ceiling,
+                        color="#444",
+                        linestyle=(0, (4, 3)),
+                        linewidth=1,
+                        label=f"ceiling ({scenario.precision})",
+                    )
                 ax.set_yscale("log")
-                ax.set_ylim(PLOT_FLOOR / 3, max(1.0, 3 * max((p[index] or 0.0 for s in series for p in s["points"]),
-                                                              default=1.0)))
+                ax.set_ylim(
+                    PLOT_FLOOR / 3,
+                    max(1.0, 3 * max((p[index] or 0.0 for s in series for p in s["points"]), default=1.0)),
+                )
                 ax.yaxis.set_major_locator(LogLocator(base=10, numticks=12))
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
                 ax.set_xlabel("optimizer step")
@@ -393,7 +443,7 @@ class SuiteReport:
             buffer = io.StringIO()
             fig.savefig(buffer, format="svg", bbox_inches="tight")
         svg = buffer.getvalue()
-        return svg[svg.index("<svg"):]
+        return svg[svg.index("<svg") :]
 
 
 def jinja2_markup(text: str) -> Any:
@@ -420,8 +470,11 @@ def _cell(v: Verdict) -> str:
         if d is None:
             return "FAIL"
         where = d.quantity if len(d.quantity) <= 24 else d.quantity[:23] + "…"
-        return f"FAIL {where}" + (f"@{d.step}" if d.step is not None else "") + (
-            f" ({d.deviation:.1e})" if d.deviation is not None else "")
+        return (
+            f"FAIL {where}"
+            + (f"@{d.step}" if d.step is not None else "")
+            + (f" ({d.deviation:.1e})" if d.deviation is not None else "")
+        )
     return status_label(v.status)
 
 
@@ -485,8 +538,13 @@ def certify(
         reference = suite.reference() if any(r.status == "ran" for r in results) else {}
         verdicts = {r.name: judge(r, reference, suite.scenarios) for r in results}
         report = SuiteReport(
-            world_size=suite.world_size, alt_world_size=suite.alt_world_size, scenarios=suite.scenarios,
-            results=results, verdicts=verdicts, reference=reference, reference_wall_s=suite.reference_wall_s,
+            world_size=suite.world_size,
+            alt_world_size=suite.alt_world_size,
+            scenarios=suite.scenarios,
+            results=results,
+            verdicts=verdicts,
+            reference=reference,
+            reference_wall_s=suite.reference_wall_s,
             wall_s=time.perf_counter() - started,
         )
     finally:

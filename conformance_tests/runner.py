@@ -79,11 +79,13 @@ import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
+
 import unison
 from unison.checkpoint import Checkpointer
 from unison.conformance.scenarios import (
@@ -229,9 +231,7 @@ class TraceRecorder:
         # as a user exporting it at that moment would get it.
         if self.buffer_names:
             state = trainer.full_state_dict()
-            self.buffer_snapshots[trainer.progress.global_step] = {
-                k: state[k] for k in self.buffer_names if k in state
-            }
+            self.buffer_snapshots[trainer.progress.global_step] = {k: state[k] for k in self.buffer_names if k in state}
 
     @unison.hookimpl
     def unison_on_train_step_end(self, step: int, output: Any) -> None:
@@ -263,7 +263,7 @@ def _analyse_collectives(events: Any) -> dict[str, Any]:
         elif name == MICRO_MARK:
             backward_ends.append(e.time_range.end)
         elif name.startswith("c10d::"):
-            op = name[len("c10d::"):]
+            op = name[len("c10d::") :]
             calls.append((e.time_range.start, COLLECTIVE_KINDS.get(op, f"other:{op}")))
     windows.sort()
     total = Counter(kind for _, kind in calls)
@@ -272,8 +272,9 @@ def _analyse_collectives(events: Any) -> dict[str, Any]:
         return any(a <= t <= b for a, b in spans)
 
     def grad_syncs(a: float, b: float, *, open_start: bool = False) -> int:
-        return sum(1 for t, kind in calls
-                   if kind in GRADIENT_SYNC_KINDS and (a < t if open_start else a <= t) and t <= b)
+        return sum(
+            1 for t, kind in calls if kind in GRADIENT_SYNC_KINDS and (a < t if open_start else a <= t) and t <= b
+        )
 
     per_step = []
     per_micro_step = []
@@ -334,9 +335,8 @@ def _instrument(strategy: Any, boundaries: list[bool]) -> None:
 
         @contextlib.contextmanager
         def no_sync() -> Iterator[Any]:
-            with torch.autograd.profiler.record_function(NO_SYNC_MARK):
-                with original_no_sync() as value:
-                    yield value
+            with torch.autograd.profiler.record_function(NO_SYNC_MARK), original_no_sync() as value:
+                yield value
 
         strategy.no_sync = no_sync
     original_boundary = getattr(strategy, "is_accumulation_boundary", None)
@@ -395,19 +395,20 @@ def execute_run(
             perturb(model, run.perturb, rank)
         data = scenario.dataset(sizing)
         form = {"loss_fn": loss_fn} if scenario.form == "loss_fn" else {"training_step": training_step}
-        with _profile(dist_on) as prof_box:
-            with pm.record_hook_calls(prefix="unison_") as hooks:
-                progress = trainer.fit(
-                    model,
-                    data,
-                    **form,
-                    optimizer=make_optimizer,
-                    lr_scheduler=make_scheduler if scenario.scheduler else None,
-                    ckpt_path=resume_path,
-                )
+        with _profile(dist_on) as prof_box, pm.record_hook_calls(prefix="unison_") as hooks:
+            progress = trainer.fit(
+                model,
+                data,
+                **form,
+                optimizer=make_optimizer,
+                lr_scheduler=make_scheduler if scenario.scheduler else None,
+                ckpt_path=resume_path,
+            )
         recorder._close_mark()
-        start = recorder.start_counts or {"optimizer_steps": progress.optimizer_steps,
-                                          "scheduler_steps": progress.scheduler_steps}
+        start = recorder.start_counts or {
+            "optimizer_steps": progress.optimizer_steps,
+            "scheduler_steps": progress.scheduler_steps,
+        }
         trace.update(
             steps=recorder.steps,
             hooks=list(hooks),
@@ -436,14 +437,18 @@ def execute_run(
             # setup; a ConfigurationError after that is a failure, never a refusal.
             trace.update(status="error", error=traceback.format_exc(limit=12))
         else:
-            trace.update(status="refused", reason=str(exc), refusal={
-                "type": type(exc).__name__,
-                "option": exc.option,
-                "problem": exc.problem,
-                "feature": exc.feature if isinstance(exc, DeclaredRefusal) else None,
-                "message": str(exc),
-                "in_constructor": trainer is None,
-            })
+            trace.update(
+                status="refused",
+                reason=str(exc),
+                refusal={
+                    "type": type(exc).__name__,
+                    "option": exc.option,
+                    "problem": exc.problem,
+                    "feature": exc.feature if isinstance(exc, DeclaredRefusal) else None,
+                    "message": str(exc),
+                    "in_constructor": trainer is None,
+                },
+            )
     except Exception:
         trace.update(status="error", error=traceback.format_exc(limit=12))
     trace["wall_s"] = time.perf_counter() - started
@@ -572,26 +577,41 @@ def _world_diagnostics(directory: Path, world: str) -> str:
     return "\n".join(lines)
 
 
-def _run_one(ctx: PhaseContext, scenario: Scenario, run: Run, strategy: str, rank: int,
-             out: dict[str, dict[str, dict[str, Any]]]) -> None:
-        try:
-            resume = _resume_source(ctx, scenario, run)
-        except FileNotFoundError as exc:
-            out.setdefault(scenario.name, {})[run.id] = {"status": "error", "error": str(exc), "wall_s": 0.0}
-            return
-        writes = run.save or scenario.checkpoint_every is not None
-        trace = execute_run(
-            scenario, run, strategy=strategy, sizing=ctx.sizing, plugins=ctx.plugins,
-            checkpoint_dir=_checkpoint_root(ctx.checkpoint_root, scenario.name, run.id) if writes else None,
-            resume_path=resume,
-        )
-        out.setdefault(scenario.name, {})[run.id] = trace
+def _run_one(
+    ctx: PhaseContext, scenario: Scenario, run: Run, strategy: str, rank: int, out: dict[str, dict[str, dict[str, Any]]]
+) -> None:
+    try:
+        resume = _resume_source(ctx, scenario, run)
+    except FileNotFoundError as exc:
+        out.setdefault(scenario.name, {})[run.id] = {"status": "error", "error": str(exc), "wall_s": 0.0}
+        return
+    writes = run.save or scenario.checkpoint_every is not None
+    trace = execute_run(
+        scenario,
+        run,
+        strategy=strategy,
+        sizing=ctx.sizing,
+        plugins=ctx.plugins,
+        checkpoint_dir=_checkpoint_root(ctx.checkpoint_root, scenario.name, run.id) if writes else None,
+        resume_path=resume,
+    )
+    out.setdefault(scenario.name, {})[run.id] = trace
 
 
 def _merge_ranks(results: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, dict[str, dict[str, Any]]]:
     """Rank 0's traces, each with ``ranks``: what every rank saw (for per-rank checks)."""
-    keys = ("status", "hooks", "collectives", "counts", "boundaries", "steps", "state", "buffer_snapshots",
-            "refusal", "error")
+    keys = (
+        "status",
+        "hooks",
+        "collectives",
+        "counts",
+        "boundaries",
+        "steps",
+        "state",
+        "buffer_snapshots",
+        "refusal",
+        "error",
+    )
     merged = results[0]
     for scenario, runs in merged.items():
         for run_id, trace in runs.items():
@@ -651,8 +671,12 @@ def check_precision_declarations(strategy: str, plugins: Sequence[str], sizing: 
         try:
             with _as_rank_zero_of(world_size):
                 unison.Trainer(
-                    strategy=strategy, plugin_manager=make_plugin_manager(plugins), precision=precision,
-                    global_batch_size=batch, max_steps=1, accelerator="cpu",
+                    strategy=strategy,
+                    plugin_manager=make_plugin_manager(plugins),
+                    precision=precision,
+                    global_batch_size=batch,
+                    max_steps=1,
+                    accelerator="cpu",
                 )
         except Exception as exc:  # recorded, judged by compare
             raised = {
@@ -756,10 +780,15 @@ class Suite:
 
     def _ctx(self, strategy: str, backend: str, world: str, *, cross_only: bool = False) -> PhaseContext:
         return PhaseContext(
-            strategy=strategy, backend=backend, world=world, scenarios=self.scenario_names, sizing=self.sizing,
+            strategy=strategy,
+            backend=backend,
+            world=world,
+            scenarios=self.scenario_names,
+            sizing=self.sizing,
             plugins=self.plugins,
             checkpoint_root=str(self.reference_root if backend == "reference" else self.strategy_root(strategy)),
-            reference_root=str(self.reference_root), strategy_root=str(self.strategy_root(strategy)),
+            reference_root=str(self.reference_root),
+            strategy_root=str(self.strategy_root(strategy)),
             cross_only=cross_only,
             # Spawned worlds only (the parent's faulthandler timer belongs to its host, e.g. pytest):
             # stacks are dumped shortly before the world is killed, so a hang names its place.
@@ -815,8 +844,9 @@ class Suite:
         if self._has_runs(self._ctx(name, "strategy", "main")):
             started = time.perf_counter()
             try:
-                result.traces = _merge_ranks(spawn(run_phase, self.world_size, self._ctx(name, "strategy", "main"),
-                                                   timeout=self.timeout))
+                result.traces = _merge_ranks(
+                    spawn(run_phase, self.world_size, self._ctx(name, "strategy", "main"), timeout=self.timeout)
+                )
             except Exception as exc:
                 result.world_errors["main"] = self._world_error(name, "main", exc)
             result.wall_s["world"] = time.perf_counter() - started
@@ -831,8 +861,9 @@ class Suite:
         if needs_alt and ownership.state_dict.reshardable and "main" not in result.world_errors:
             started = time.perf_counter()
             try:
-                alt = _merge_ranks(spawn(run_phase, self.alt_world_size, self._ctx(name, "strategy", "alt"),
-                                         timeout=self.timeout))
+                alt = _merge_ranks(
+                    spawn(run_phase, self.alt_world_size, self._ctx(name, "strategy", "alt"), timeout=self.timeout)
+                )
                 for scenario, runs in alt.items():
                     result.traces.setdefault(scenario, {}).update(runs)
             except Exception as exc:

@@ -47,11 +47,13 @@ comparison accepts a refusal only when one of those is declared refused.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
+
 from unison.ownership import Feature
 from unison.strategy import model_features
 
@@ -117,15 +119,19 @@ class TiedAutoencoder(torch.nn.Module):
 
 def _mlp() -> torch.nn.Sequential:
     return torch.nn.Sequential(
-        torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.Tanh(),
-        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
+        torch.nn.Linear(IN_FEATURES, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
         torch.nn.Linear(HIDDEN, 1),
     )
 
 
 def _batchnorm() -> torch.nn.Sequential:
     model = torch.nn.Sequential(
-        torch.nn.Linear(IN_FEATURES, HIDDEN), DriftingBatchNorm1d(HIDDEN), torch.nn.Tanh(),
+        torch.nn.Linear(IN_FEATURES, HIDDEN),
+        DriftingBatchNorm1d(HIDDEN),
+        torch.nn.Tanh(),
         torch.nn.Linear(HIDDEN, 1),
     )
     bn = model[1]
@@ -458,82 +464,135 @@ def _clip_runs() -> tuple[Run, ...]:
 
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
-        "plain", "MLP, fp32, one micro-batch per step, SGD with momentum",
-        model="mlp", optimizer="sgd",
+        "plain",
+        "MLP, fp32, one micro-batch per step, SGD with momentum",
+        model="mlp",
+        optimizer="sgd",
     ),
     Scenario(
         "accumulation",
         "MLP, 4 micro-batches per optimizer step: gradients synchronised as the strategy declares (at the "
         "boundary only, or at every micro-step)",
-        model="mlp", optimizer="sgd", accumulate_grad_batches=4, same_sync_as="plain",
+        model="mlp",
+        optimizer="sgd",
+        accumulate_grad_batches=4,
+        same_sync_as="plain",
     ),
     Scenario(
-        "training_step", "dict batches trained with training_step(model, batch), accumulation 2",
-        model="mlp", optimizer="sgd", accumulate_grad_batches=2, data="dict", form="training_step",
+        "training_step",
+        "dict batches trained with training_step(model, batch), accumulation 2",
+        model="mlp",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        data="dict",
+        form="training_step",
     ),
     Scenario(
-        "clipping", "MLP, clip by global norm at a value every step exceeds, accumulation 2",
-        model="mlp", optimizer="sgd", accumulate_grad_batches=2, grad_clip_norm=0.1, premises=("clips",),
+        "clipping",
+        "MLP, clip by global norm at a value every step exceeds, accumulation 2",
+        model="mlp",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        grad_clip_norm=0.1,
+        premises=("clips",),
         runs=_clip_runs(),
     ),
     Scenario(
-        "tied_weights", "tied weights (one matrix under two names) clipped by global norm: the tie counted once",
-        model="tied", optimizer="sgd", accumulate_grad_batches=2, grad_clip_norm=0.05, premises=("clips",),
+        "tied_weights",
+        "tied weights (one matrix under two names) clipped by global norm: the tie counted once",
+        model="tied",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        grad_clip_norm=0.05,
+        premises=("clips",),
         runs=_clip_runs(),
     ),
     Scenario(
-        "lr_scheduler", "two parameter groups (lr, weight decay) under a StepLR schedule",
-        model="groups", optimizer="adamw_groups", scheduler="step", accumulate_grad_batches=2,
+        "lr_scheduler",
+        "two parameter groups (lr, weight decay) under a StepLR schedule",
+        model="groups",
+        optimizer="adamw_groups",
+        scheduler="step",
+        accumulate_grad_batches=2,
     ),
     Scenario(
         "buffers",
         "BatchNorm buffers (running statistics, step counter) that change at every step, accumulation 2; "
         "compared at every checkpoint and at the end",
-        model="batchnorm", optimizer="sgd", accumulate_grad_batches=2, checkpoint_every=2,
+        model="batchnorm",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        checkpoint_every=2,
         premises=("buffers_change",),
     ),
     Scenario(
-        "frozen", "first layer frozen, clipping on, accumulation 2",
-        model="frozen", optimizer="adamw", accumulate_grad_batches=2, grad_clip_norm=1.0,
+        "frozen",
+        "first layer frozen, clipping on, accumulation 2",
+        model="frozen",
+        optimizer="adamw",
+        accumulate_grad_batches=2,
+        grad_clip_norm=1.0,
     ),
     Scenario(
         "replica_init",
         "every rank but 0 starts from perturbed weights: replicas must still train like the reference "
         "(whoever the declaration says makes them equal)",
-        model="mlp", optimizer="sgd", accumulate_grad_batches=2,
+        model="mlp",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
         runs=(Run("main", "reference"), Run("main", "strategy", twin="main", perturb="weights")),
     ),
     Scenario(
         "replica_init_buffers",
         "every rank but 0 starts from perturbed buffers (running statistics, step counter)",
-        model="batchnorm", optimizer="sgd", accumulate_grad_batches=2,
+        model="batchnorm",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
         runs=(Run("main", "reference"), Run("main", "strategy", twin="main", perturb="buffers")),
     ),
     Scenario(
-        "bf16_mixed", "bf16 autocast (or the engine's bf16), accumulation 2",
+        "bf16_mixed",
+        "bf16 autocast (or the engine's bf16), accumulation 2",
         # SGD, not Adam: Adam's first update is lr * sign(g), so a gradient
         # element near zero whose sign bf16 rounding flips (summation order
         # differs with the number of ranks) moves by 2 * lr and the
         # comparison measures the sign of noise, not the backend. SGD's update
         # is proportional to the gradient, so bf16 rounding stays bf16-sized.
-        model="mlp", precision=BF16_MIXED, optimizer="sgd", accumulate_grad_batches=2,
+        model="mlp",
+        precision=BF16_MIXED,
+        optimizer="sgd",
+        accumulate_grad_batches=2,
     ),
     Scenario(
         "fp16_overflow",
         "fp16 with loss scaling; one sample's inputs overflow fp16 in the forward: that step is skipped "
         "and the scheduler does not advance",
-        model="mlp", precision=FP16_MIXED, optimizer="sgd", scheduler="warmup", accumulate_grad_batches=2,
-        data="overflow", shuffle=False, premises=("overflow",),
+        model="mlp",
+        precision=FP16_MIXED,
+        optimizer="sgd",
+        scheduler="warmup",
+        accumulate_grad_batches=2,
+        data="overflow",
+        shuffle=False,
+        premises=("overflow",),
     ),
     Scenario(
-        "resume", "save at step 3, resume to step 6: equals the uninterrupted run (frozen layer, warmup)",
-        model="frozen", optimizer="adamw", scheduler="warmup", accumulate_grad_batches=2, runs=_resume_runs(),
+        "resume",
+        "save at step 3, resume to step 6: equals the uninterrupted run (frozen layer, warmup)",
+        model="frozen",
+        optimizer="adamw",
+        scheduler="warmup",
+        accumulate_grad_batches=2,
+        runs=_resume_runs(),
     ),
     Scenario(
         "cross_resume",
         "a checkpoint of the strategy resumes under single, and a checkpoint of single under the strategy "
         "(parameter groups, StepLR)",
-        model="groups", optimizer="adamw_groups", scheduler="step", accumulate_grad_batches=2,
+        model="groups",
+        optimizer="adamw_groups",
+        scheduler="step",
+        accumulate_grad_batches=2,
         runs=(
             Run("full", "reference"),
             Run("part", "reference", max_steps=RESUME_AT, save=True),
@@ -549,7 +608,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         "reshard",
         "save at the main world size, resume at another world size with the same strategy and with single "
         "(declared reshardable; changing buffers)",
-        model="batchnorm", optimizer="adamw", scheduler="step", accumulate_grad_batches=2,
+        model="batchnorm",
+        optimizer="adamw",
+        scheduler="step",
+        accumulate_grad_batches=2,
         requires_reshardable=True,
         runs=(
             Run("full", "reference"),
@@ -568,7 +630,8 @@ SCENARIOS: tuple[Scenario, ...] = (
         "unsupported_precision",
         "every precision declared unsupported raises a ConfigurationError naming it when the Trainer is "
         "built (before any process group); every precision declared supported is accepted",
-        kind="declarations", runs=(),
+        kind="declarations",
+        runs=(),
     ),
 )
 
@@ -593,7 +656,20 @@ def select(names: Sequence[str] | None) -> tuple[Scenario, ...]:
 
 
 __all__ = [
-    "MODELS", "OPTIMIZERS", "SCENARIOS", "SCENARIOS_BY_NAME", "SCHEDULERS", "DriftingBatchNorm1d", "Run",
-    "Scenario", "Sizing", "build_model", "default_alt_world_size", "loss_fn", "needs", "perturb", "select",
+    "MODELS",
+    "OPTIMIZERS",
+    "SCENARIOS",
+    "SCENARIOS_BY_NAME",
+    "SCHEDULERS",
+    "DriftingBatchNorm1d",
+    "Run",
+    "Scenario",
+    "Sizing",
+    "build_model",
+    "default_alt_world_size",
+    "loss_fn",
+    "needs",
+    "perturb",
+    "select",
     "training_step",
 ]

@@ -10,8 +10,9 @@ refusals as ``refuses_quietly``, declared) and must be certified.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ class _DataParallel(unison.Strategy):
     """Correct hand-written data parallel; the subclasses below each break one thing."""
 
     replica_init = ReplicaInit.TRAINER
-    refuses: dict[Feature, str] = {}
+    refuses: ClassVar[dict[Feature, str]] = {}
 
     def __init__(self) -> None:
         super().__init__()
@@ -115,8 +116,9 @@ class RefusesQuietly(_DataParallel):
 
     def validate(self, settings: Any, world_size: int) -> None:
         if settings.accumulate_grad_batches > 2:
-            raise ConfigurationError("accumulate_grad_batches", "accumulation is not implemented beyond 2",
-                                     "set it to 1 or 2")
+            raise ConfigurationError(
+                "accumulate_grad_batches", "accumulation is not implemented beyond 2", "set it to 1 or 2"
+            )
 
     def validate_model(self, model: torch.nn.Module, settings: Any) -> None:
         if Feature.BUFFERS in model_features(model):
@@ -127,7 +129,7 @@ class RefusesDeclared(RefusesQuietly):
     """The same refusals as :class:`RefusesQuietly`, declared (the control: certified). A declared
     refusal is per feature, so it covers all accumulation; the trainer then refuses it up front."""
 
-    refuses = {
+    refuses: ClassVar[dict[Feature, str]] = {
         Feature.GRADIENT_ACCUMULATION: "accumulation is not implemented",
         Feature.BUFFERS: "models with buffers are not implemented",
     }

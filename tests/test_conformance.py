@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 import unison
 from unison.conformance.compare import DECLARED_OUT, TOLERANCES, judge_scenario
 from unison.conformance.report import SuiteReport, certify
@@ -51,8 +52,14 @@ class _NeverBuilt(unison.Strategy):  # pragma: no cover - never instantiated
 
 @unison.hookimpl
 def unison_strategies() -> list[unison.StrategySpec]:
-    return [unison.StrategySpec(UNAVAILABLE, factory=_NeverBuilt, description="needs hardware this machine lacks",
-                                unavailable="needs the 'imaginary-accelerator' package")]
+    return [
+        unison.StrategySpec(
+            UNAVAILABLE,
+            factory=_NeverBuilt,
+            description="needs hardware this machine lacks",
+            unavailable="needs the 'imaginary-accelerator' package",
+        )
+    ]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,8 +78,9 @@ def example_on_path():
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> SuiteReport:
     out = tmp_path_factory.mktemp("conformance-report")
-    with Suite(world_size=2, plugins=[EXAMPLE_MODULE], workdir=tmp_path_factory.mktemp("conformance-work"),
-               timeout=300) as suite:
+    with Suite(
+        world_size=2, plugins=[EXAMPLE_MODULE], workdir=tmp_path_factory.mktemp("conformance-work"), timeout=300
+    ) as suite:
         rep = certify(["ddp", GOOD, EVERY, WRONG], suite=suite, report_dir=out)
     rep.report_dir = out  # type: ignore[attr-defined]
     return rep
@@ -264,9 +272,17 @@ def test_report_opens_in_a_headless_browser(report, tmp_path):
     if browser is None:
         pytest.skip("no chromium on this machine (Debian: apt-get install -y chromium); CI installs it")
     page = (report.report_dir / "report.html").as_uri()
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run",
-             f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,1600"]
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1280,1600",
+    ]
     dom = subprocess.run([browser, *flags, "--dump-dom", page], capture_output=True, text=True, timeout=120)
     assert dom.returncode == 0, dom.stderr[-2000:]
     from html.parser import HTMLParser
@@ -280,7 +296,7 @@ def test_report_opens_in_a_headless_browser(report, tmp_path):
         def handle_starttag(self, tag, attrs):
             a = dict(attrs)
             if (a.get("id") or "").startswith("certificate-"):
-                self._current = a["id"][len("certificate-"):]
+                self._current = a["id"][len("certificate-") :]
                 self.found[self._current] = (a.get("class", ""), "")
 
         def handle_data(self, data):
@@ -302,10 +318,16 @@ def test_report_opens_in_a_headless_browser(report, tmp_path):
     pixels = imread(str(shot))[..., :3]
     assert pixels.shape[0] == 1600 and pixels.shape[1] == 1280
     # The certified banner's green border (#1e8e3e) and the failed one's red (#c5221f) were painted.
-    green = ((abs(pixels[..., 0] - 0x1E / 255) < 0.03) & (abs(pixels[..., 1] - 0x8E / 255) < 0.03)
-             & (abs(pixels[..., 2] - 0x3E / 255) < 0.03))
-    red = ((abs(pixels[..., 0] - 0xC5 / 255) < 0.03) & (abs(pixels[..., 1] - 0x22 / 255) < 0.03)
-           & (abs(pixels[..., 2] - 0x1F / 255) < 0.03))
+    green = (
+        (abs(pixels[..., 0] - 0x1E / 255) < 0.03)
+        & (abs(pixels[..., 1] - 0x8E / 255) < 0.03)
+        & (abs(pixels[..., 2] - 0x3E / 255) < 0.03)
+    )
+    red = (
+        (abs(pixels[..., 0] - 0xC5 / 255) < 0.03)
+        & (abs(pixels[..., 1] - 0x22 / 255) < 0.03)
+        & (abs(pixels[..., 2] - 0x1F / 255) < 0.03)
+    )
     assert green[:600].sum() > 200 and red[:600].sum() > 200, (green.sum(), red.sum())
 
 
@@ -364,22 +386,26 @@ def test_broken_state_hooks_counts_and_sync_fail(report):
     def state(t):
         for st in _each_rank(t, "state"):
             st["0.weight"] = st["0.weight"] + 1e-4
+
     v = judge(state)
     assert v.status == "fail" and "final parameter '0.weight'" in v.reason
 
     def hooks(t):
         for calls in _each_rank(t, "hooks"):
             calls.remove("unison_on_after_backward")
+
     v = judge(hooks)
     assert any(d.quantity == "hook sequence" for d in v.divergences)
     assert v.diagnosis.rule == "hooks"
 
     def counts(t):
         t["counts"]["scheduler_steps"] += 1
+
     assert any(d.quantity == "scheduler steps" for d in judge(counts).divergences)
 
     def sync_in_no_sync(t):
         t["ranks"][1]["collectives"]["gradient_sync_in_no_sync"] = 3
+
     v = judge(sync_in_no_sync)
     assert any("inside no_sync() on rank 1" in d.quantity for d in v.divergences)
     assert v.diagnosis.rule == "gradient_sync"
@@ -388,12 +414,14 @@ def test_broken_state_hooks_counts_and_sync_fail(report):
         for r in t["ranks"]:
             r["collectives"]["gradient_sync_per_step"] = [4] * len(r["collectives"]["gradient_sync_per_step"])
             r["collectives"]["gradient_sync_per_micro_step"] = [[1, 1, 1, 1]] * len(r["collectives"]["per_step"])
+
     v = judge(sync_per_micro_step)
     assert any("per optimizer step" in d.quantity for d in v.divergences)
     assert any("before the last micro-step" in d.quantity for d in v.divergences)
 
     def declared_every_step_but_deferred(t):
         t["accumulation_sync"] = "every-micro-step"
+
     v = judge(declared_every_step_but_deferred)
     assert any("no_sync() entries" in d.quantity for d in v.divergences)
     assert any("per micro-step" in d.quantity for d in v.divergences)
@@ -402,11 +430,13 @@ def test_broken_state_hooks_counts_and_sync_fail(report):
         t["accumulation_owner"] = "engine"
         for r in t["ranks"]:
             r["boundaries"] = [False, False, True, False] * 6
+
     v = judge(engine_boundary)
     assert any("is_accumulation_boundary" in d.quantity for d in v.divergences)
 
     def lost_updates(t):
         t["ranks"][0]["counts"]["optimizer_updates_observed"] -= 1
+
     assert any("real optimizer updates" in d.quantity for d in judge(lost_updates).divergences)
 
 
@@ -446,11 +476,13 @@ def test_premises_and_cross_runs_can_fail(report):
 
 def test_diagnosis_summed_gradients(report):
     """Grad-norm ratio = world size with the loss equal: summed, not averaged."""
+
     def summed(runs):
         for steps in _each_rank(runs["main"], "steps"):
             for s in steps:
                 s["grad_norm"] *= 2
                 s["hook_grad_norm"] *= 2
+
     v = _judge_mutated(report, "plain", summed)
     assert v.diagnosis.rule == "summed" and v.diagnosis.step == 0 and v.diagnosis.quantity == "grad_norm"
     assert "summed over replicas" in v.diagnosis.explanation
@@ -461,6 +493,7 @@ def test_diagnosis_optimizer_when_loss_matches_but_parameters_do_not(report):
         for st in _each_rank(runs["main"], "state"):
             for name in list(st):
                 st[name] = st[name] + 1e-3
+
     v = _judge_mutated(report, "plain", wrong_update)
     assert v.diagnosis.rule == "optimizer", v.diagnosis.message()
     assert "every per-step loss and grad norm matches" in v.diagnosis.explanation
@@ -470,6 +503,7 @@ def test_diagnosis_optimizer_when_loss_matches_but_parameters_do_not(report):
             for s in steps[2:]:
                 s["loss"] *= 1.01
                 s["micro_losses"] = [x * 1.01 for x in s["micro_losses"]]
+
     v = _judge_mutated(report, "plain", later_loss)
     assert v.diagnosis.rule == "optimizer" and v.diagnosis.step == 2
     assert "match up to step 1" in v.diagnosis.explanation
@@ -479,6 +513,7 @@ def test_diagnosis_replica_desync(report):
     def rank_one_apart(runs):
         state = runs["main"]["ranks"][1]["state"]
         state["2.weight"] = state["2.weight"] + 1e-2
+
     v = _judge_mutated(report, "plain", rank_one_apart)
     assert v.status == "fail" and v.diagnosis.rule == "replica_desync"
     assert "final state on rank 1" in v.diagnosis.quantity
@@ -490,6 +525,7 @@ def test_diagnosis_resume_restores_nothing_of_the_optimizer(report):
             for s in steps[1:]:
                 s["loss"] *= 1.01
                 s["micro_losses"] = [x * 1.01 for x in s["micro_losses"]]
+
     v = _judge_mutated(report, "resume", drift_after_resume)
     assert v.diagnosis.rule == "resume_state", v.diagnosis.message()
     assert "optimizer state" in v.diagnosis.explanation and "full, part" in v.diagnosis.explanation
@@ -498,6 +534,7 @@ def test_diagnosis_resume_restores_nothing_of_the_optimizer(report):
         for steps in _each_rank(runs["resumed"], "steps"):
             for s in steps:
                 s["lrs"] = [lr * 3 for lr in s["lrs"]]
+
     v = _judge_mutated(report, "resume", scheduler_not_restored)
     assert v.diagnosis.rule == "resume_state" and "scheduler state" in v.diagnosis.explanation
 
@@ -508,6 +545,7 @@ def test_diagnosis_initial_weights(report):
             s = steps[0]
             s["micro_losses"][0] *= 1.05
             s["loss"] = sum(s["micro_losses"]) / len(s["micro_losses"])
+
     v = _judge_mutated(report, "replica_init", first_forward_differs)
     assert v.diagnosis.rule == "initial_weights" and v.diagnosis.step == 0
     assert "perturbed the weights of every rank but 0" in v.diagnosis.explanation
@@ -532,9 +570,16 @@ def test_unavailable_strategy_is_skipped_with_its_reason(tmp_path):
 def test_declared_non_conformant_is_run_and_its_failures_shown(report):
     wrong = copy.deepcopy(_result(report, WRONG))
     wrong.non_conformant = "averages gradients twice (known)"
-    rep = SuiteReport(world_size=2, alt_world_size=1, scenarios=report.scenarios, results=[wrong],
-                      verdicts={WRONG: report.verdicts[WRONG]}, reference=report.reference,
-                      reference_wall_s=0.0, wall_s=0.0)
+    rep = SuiteReport(
+        world_size=2,
+        alt_world_size=1,
+        scenarios=report.scenarios,
+        results=[wrong],
+        verdicts={WRONG: report.verdicts[WRONG]},
+        reference=report.reference,
+        reference_wall_s=0.0,
+        wall_s=0.0,
+    )
     assert rep.exit_code == 0  # declared: shown, not gating
     assert len(rep.failures(include_declared=True)) == len(SCENARIOS)
     assert not rep.certified(WRONG)
@@ -551,10 +596,15 @@ def test_declared_unsupported_precision_is_declared_out_only_when_refused(report
     result = copy.deepcopy(_result(report, GOOD))
     result.ownership["precision"]["bf16-mixed"] = {"owner": "unsupported", "detail": "no bf16 here"}
     result.traces["bf16_mixed"]["main"] = {
-        "status": "refused", "reason": "precision: ...", "refusal": {
-            "type": "DeclaredRefusal", "option": "precision", "feature": "precision:bf16-mixed",
+        "status": "refused",
+        "reason": "precision: ...",
+        "refusal": {
+            "type": "DeclaredRefusal",
+            "option": "precision",
+            "feature": "precision:bf16-mixed",
             "message": "precision: strategy does not support precision 'bf16-mixed': no bf16 here",
-        }}
+        },
+    }
     v = judge_scenario(SCENARIOS_BY_NAME["bf16_mixed"], result, report.reference)
     assert v.status == DECLARED_OUT and "no bf16 here" in v.reason
     # The same refusal without the declaration is a failure.
@@ -567,7 +617,9 @@ def test_an_error_after_setup_is_never_declared_out(report):
     result = copy.deepcopy(_result(report, GOOD))
     result.ownership["refuses"] = {"gradient_accumulation": "declared"}
     result.traces["accumulation"]["main"] = {
-        "status": "error", "error": "unison.errors.ConfigurationError: accumulate_grad_batches: no. Fix: ..."}
+        "status": "error",
+        "error": "unison.errors.ConfigurationError: accumulate_grad_batches: no. Fix: ...",
+    }
     v = judge_scenario(SCENARIOS_BY_NAME["accumulation"], result, report.reference)
     assert v.status == "fail" and v.diagnosis.rule == "error"
 
@@ -579,20 +631,23 @@ def test_an_error_after_setup_is_never_declared_out(report):
 
 def test_cli_command_is_added_through_the_hook(tmp_path):
     from click.testing import CliRunner
+
     from unison.cli import cli
 
     pm = unison.PluginManager()
     if "conformance" not in cli.commands:
         pm.hook.unison_add_cli_commands(cli=cli)
     runner = CliRunner()
-    out = runner.invoke(cli, ["conformance", "--strategy", UNAVAILABLE, "--plugin", THIS_MODULE,
-                              "--report", str(tmp_path)])
+    out = runner.invoke(
+        cli, ["conformance", "--strategy", UNAVAILABLE, "--plugin", THIS_MODULE, "--report", str(tmp_path)]
+    )
     assert out.exit_code == 0, out.output
     assert "skipped" in out.output and "NOT CERTIFIED" in out.output
     assert (tmp_path / "report.html").exists()
     # Declarations only: no world is started, and the wrong strategy fails with exit status 1.
-    out = runner.invoke(cli, ["conformance", "--strategy", WRONG, "--plugin", EXAMPLE_MODULE,
-                              "--scenario", "unsupported_precision"])
+    out = runner.invoke(
+        cli, ["conformance", "--strategy", WRONG, "--plugin", EXAMPLE_MODULE, "--scenario", "unsupported_precision"]
+    )
     assert out.exit_code == 1, out.output
     assert "FAIL" in out.output
 
@@ -602,9 +657,19 @@ def test_pytest_plugin(pytester, monkeypatch):
     paths = [str(EXAMPLE_DIR), str(Path(__file__).resolve().parent)]
     monkeypatch.setenv("PYTHONPATH", ":".join(paths + [p for p in sys.path if p]))
     result = pytester.runpytest_subprocess(
-        "-p", "unison.conformance.pytest_plugin", "--pyargs", "unison.conformance", "-p", "no:cacheprovider",
-        "--unison-strategy", f"{UNAVAILABLE},{GOOD},{WRONG}", "--unison-plugin", f"{THIS_MODULE},{EXAMPLE_MODULE}",
-        "--unison-scenario", "unsupported_precision", "-rA",
+        "-p",
+        "unison.conformance.pytest_plugin",
+        "--pyargs",
+        "unison.conformance",
+        "-p",
+        "no:cacheprovider",
+        "--unison-strategy",
+        f"{UNAVAILABLE},{GOOD},{WRONG}",
+        "--unison-plugin",
+        f"{THIS_MODULE},{EXAMPLE_MODULE}",
+        "--unison-scenario",
+        "unsupported_precision",
+        "-rA",
     )
     result.assert_outcomes(passed=1, failed=1, skipped=1)
     result.stdout.fnmatch_lines(["*imaginary-accelerator*"])

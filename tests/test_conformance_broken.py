@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from unison.conformance.compare import DECLARED_OUT, FAIL, PASS
 from unison.conformance.report import SuiteReport, certify
 from unison.conformance.runner import Suite, execute_run
@@ -22,8 +23,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 PLUGIN = "conformance_broken_strategies"
 SCENARIOS = ["plain", "accumulation", "buffers", "replica_init", "resume"]
-BROKEN = ["refuses_quietly", "refuses_declared", "skips_broadcast", "stale_buffers", "every_step_claims_boundary",
-          "forgets_optimizer_state"]
+BROKEN = [
+    "refuses_quietly",
+    "refuses_declared",
+    "skips_broadcast",
+    "stale_buffers",
+    "every_step_claims_boundary",
+    "forgets_optimizer_state",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,8 +46,13 @@ def plugin_on_path():
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> SuiteReport:
-    with Suite(world_size=2, scenarios=SCENARIOS, plugins=[PLUGIN], timeout=300,
-               workdir=tmp_path_factory.mktemp("conformance-broken")) as suite:
+    with Suite(
+        world_size=2,
+        scenarios=SCENARIOS,
+        plugins=[PLUGIN],
+        timeout=300,
+        workdir=tmp_path_factory.mktemp("conformance-broken"),
+    ) as suite:
         return certify(BROKEN, suite=suite, report_dir=tmp_path_factory.mktemp("conformance-broken-report"))
 
 
@@ -66,8 +78,13 @@ def test_an_undeclared_refusal_fails(report):
 
 def test_the_same_refusal_declared_is_declared_out(report):
     statuses = _statuses(report, "refuses_declared")
-    assert statuses == {"plain": PASS, "accumulation": DECLARED_OUT, "buffers": DECLARED_OUT,
-                        "replica_init": DECLARED_OUT, "resume": DECLARED_OUT}
+    assert statuses == {
+        "plain": PASS,
+        "accumulation": DECLARED_OUT,
+        "buffers": DECLARED_OUT,
+        "replica_init": DECLARED_OUT,
+        "resume": DECLARED_OUT,
+    }
     v = report.verdicts["refuses_declared"]
     assert "gradient_accumulation refused: accumulation is not implemented" in v["accumulation"].reason
     assert "buffers refused: models with buffers are not implemented" in v["buffers"].reason
@@ -137,6 +154,7 @@ def test_report_lists_proven_and_declared_out(report, tmp_path):
 def test_a_configuration_error_after_setup_is_an_error_not_a_refusal(monkeypatch):
     """Once fit has started the process group and the strategy's setup, a ConfigurationError is a failure."""
     import conformance_broken_strategies as broken
+
     from unison.errors import ConfigurationError
 
     def setup(self, *args, **kwargs):
@@ -144,12 +162,26 @@ def test_a_configuration_error_after_setup_is_an_error_not_a_refusal(monkeypatch
 
     monkeypatch.setattr(broken.RefusesQuietly, "setup", setup)
     scenario = SCENARIOS_BY_NAME["plain"]
-    trace = execute_run(scenario, scenario.run("strategy", "main"), strategy="refuses_quietly",
-                        sizing=Sizing(1, 2), plugins=[PLUGIN], checkpoint_dir=None, resume_path=None)
+    trace = execute_run(
+        scenario,
+        scenario.run("strategy", "main"),
+        strategy="refuses_quietly",
+        sizing=Sizing(1, 2),
+        plugins=[PLUGIN],
+        checkpoint_dir=None,
+        resume_path=None,
+    )
     assert trace["status"] == "error" and "cannot set up here" in trace["error"]
     # The same error before setup (the strategy's validate_model) is a refusal, for the comparison to judge.
     buffers = SCENARIOS_BY_NAME["buffers"]
-    trace = execute_run(buffers, buffers.run("strategy", "main"), strategy="refuses_quietly", sizing=Sizing(1, 2),
-                        plugins=[PLUGIN], checkpoint_dir=None, resume_path=None)
+    trace = execute_run(
+        buffers,
+        buffers.run("strategy", "main"),
+        strategy="refuses_quietly",
+        sizing=Sizing(1, 2),
+        plugins=[PLUGIN],
+        checkpoint_dir=None,
+        resume_path=None,
+    )
     assert trace["status"] == "refused" and trace["refusal"]["option"] == "model"
     assert trace["refusal"]["feature"] is None and not trace["refusal"]["in_constructor"]

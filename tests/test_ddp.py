@@ -6,9 +6,10 @@ import math
 
 import pytest
 
+from unison.launch import spawn
+
 from ddp_worlds import ddp_scenarios, overflow_data
 from helpers import max_abs_diff, regression_data, train
-from unison.launch import spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -77,7 +78,9 @@ def test_fp16_overflow_skips_step_and_scheduler_on_both_backends(world, referenc
         assert all(math.isinf(h["grad_norm"]) or math.isnan(h["grad_norm"]) for h in run["history"] if h["skipped"])
         assert run["optimizer_steps"] == run["scheduler_steps"] == 8 - sum(skipped)
         assert ("after_optimizer_step", (skipped.index(True), True)) in run["hooks"]
-    assert [h["skipped"] for h in reference["overflow"]["history"]] == [h["skipped"] for h in world[0]["overflow"]["history"]]
+    assert [h["skipped"] for h in reference["overflow"]["history"]] == [
+        h["skipped"] for h in world[0]["overflow"]["history"]
+    ]
     assert max_abs_diff(world[0]["overflow"]["state"], reference["overflow"]["state"]) <= FP16_TOL
 
 
@@ -89,8 +92,12 @@ def test_resume_is_bitwise_equal_to_uninterrupted(world):
 
 
 def test_ddp_checkpoint_resumes_under_single(world, reference):
-    resumed = train("single", max_steps=20, checkpoint_dir=world[0]["ckpt_dir"] + "-single",
-                    ckpt_path=world[0]["ckpt_dir"] + "/step-00000010")
+    resumed = train(
+        "single",
+        max_steps=20,
+        checkpoint_dir=world[0]["ckpt_dir"] + "-single",
+        ckpt_path=world[0]["ckpt_dir"] + "/step-00000010",
+    )
     assert max_abs_diff(resumed["state"], world[0]["resumed"]["state"]) <= FP32_TOL
 
 

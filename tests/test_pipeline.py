@@ -1,4 +1,7 @@
-"""pipeline and deepspeed_pipeline against the single-process reference, on real gloo worlds of 2 (2 stages) and 4 (2 stages x 2 replicas)."""
+"""pipeline and deepspeed_pipeline against the single-process reference.
+
+On real gloo worlds of 2 (2 stages) and 4 (2 stages x 2 replicas).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+
 import unison
+from unison.errors import ConfigurationError
+from unison.launch import spawn
+from unison.strategies.pipeline import balance_by_parameters
+
 from helpers import max_abs_diff, mlp, regression_data, train
 from pipeline_worlds import (
     MULTI_CHUNK_SCHEDULES,
@@ -17,9 +25,6 @@ from pipeline_worlds import (
     pipeline_world_scenarios,
     with_validation,
 )
-from unison.errors import ConfigurationError
-from unison.launch import spawn
-from unison.strategies.pipeline import balance_by_parameters
 
 # Ceilings; measured here (2 stages, 20 steps): parameters <= 7.5e-8, losses <= 2.4e-7 (fp32); bf16-mixed 4.5e-8.
 FP32_TOL = 1e-5
@@ -104,8 +109,13 @@ def test_validation_loss_matches_single(world, reference, strategy):
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "direction",
-    ["pipeline_to_ddp", "ddp_to_pipeline", "ddp_to_pipeline_zbv", "ddp_to_deepspeed_pipeline",
-     "deepspeed_pipeline_to_pipeline"],
+    [
+        "pipeline_to_ddp",
+        "ddp_to_pipeline",
+        "ddp_to_pipeline_zbv",
+        "ddp_to_deepspeed_pipeline",
+        "deepspeed_pipeline_to_pipeline",
+    ],
 )
 def test_cross_backend_resume_equals_uninterrupted(world, reference, direction):
     for rank in world:
@@ -126,7 +136,7 @@ def test_validation_after_resume_into_v_placement(world, reference):
     # ZBV: rank 0 holds the first and the last chunk; validation walks the chunks point to point.
     ref = dict(reference["val"]["val_losses"])
     for rank in world:
-        (step, loss), = rank["ddp_to_pipeline_zbv"]["val_losses"]  # resumed at 10: only the final one
+        ((step, loss),) = rank["ddp_to_pipeline_zbv"]["val_losses"]  # resumed at 10: only the final one
         assert step == 20 and abs(loss - ref[20]) <= LOSS_TOL
 
 
@@ -184,8 +194,12 @@ def test_mixed_precision(world, reference):
 # Bad input: rejected before any process group starts
 # --------------------------------------------------------------------------- #
 def _fit(trainer: unison.Trainer, model: torch.nn.Module) -> None:
-    trainer.fit(model, regression_data(), loss_fn=torch.nn.functional.mse_loss,
-                optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    trainer.fit(
+        model,
+        regression_data(),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
 
 
 class NotSequential(torch.nn.Module):
@@ -200,23 +214,27 @@ class NotSequential(torch.nn.Module):
 @pytest.fixture
 def world_of(monkeypatch):
     """Pretend a launcher started WORLD_SIZE processes (nothing connects before validation fails)."""
+
     def set_world(n: int) -> None:
         monkeypatch.setenv("WORLD_SIZE", str(n))
         monkeypatch.setenv("RANK", "0")
+
     return set_world
 
 
 def test_rejects_non_sequential_model(world_of):
     world_of(2)
     trainer = unison.Trainer(max_steps=1, strategy="pipeline", global_batch_size=32, accumulate_grad_batches=4)
-    with pytest.raises(ConfigurationError, match="nn.Sequential"):
+    with pytest.raises(ConfigurationError, match=r"nn\.Sequential"):
         _fit(trainer, NotSequential())
     assert not torch.distributed.is_initialized()
 
 
 def test_rejects_more_stages_than_layers(world_of):
     world_of(8)
-    trainer = unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"stages": 8}, accumulate_grad_batches=8)
+    trainer = unison.Trainer(
+        max_steps=1, strategy="pipeline", strategy_options={"stages": 8}, accumulate_grad_batches=8
+    )
     with pytest.raises(ConfigurationError, match="stages") as err:
         _fit(trainer, mlp())  # 5 layers
     assert "5" in str(err.value)
@@ -267,7 +285,9 @@ def test_rejects_micro_batch_not_dividing_over_replicas(world_of):
 def test_rejects_1f1b_with_fewer_micro_batches_than_stages(world_of):
     world_of(2)
     with pytest.raises(ConfigurationError, match="accumulate_grad_batches"):
-        unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"schedule": "1f1b"}, accumulate_grad_batches=1)
+        unison.Trainer(
+            max_steps=1, strategy="pipeline", strategy_options={"schedule": "1f1b"}, accumulate_grad_batches=1
+        )
 
 
 def test_rejects_unknown_schedule_and_bad_chunk_counts(world_of):
@@ -276,16 +296,25 @@ def test_rejects_unknown_schedule_and_bad_chunk_counts(world_of):
     with pytest.raises(ConfigurationError, match="stages_per_rank"):
         unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"schedule": "gpipe", "stages_per_rank": 2})
     with pytest.raises(ConfigurationError, match="stages_per_rank"):
-        unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"schedule": "zbv_zero_bubble", "stages_per_rank": 3})
+        unison.Trainer(
+            max_steps=1, strategy="pipeline", strategy_options={"schedule": "zbv_zero_bubble", "stages_per_rank": 3}
+        )
     world_of(2)
     # 2 stages x 3 chunks per rank = 6 chunks > 5 layers
-    trainer = unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"schedule": "interleaved_1f1b", "stages_per_rank": 3})
+    trainer = unison.Trainer(
+        max_steps=1, strategy="pipeline", strategy_options={"schedule": "interleaved_1f1b", "stages_per_rank": 3}
+    )
     with pytest.raises(ConfigurationError, match="6 model chunks"):
         _fit(trainer, mlp())
     # 5 micro-batches over 2 stages run in 2 rounds, which 5 does not divide
     with pytest.raises(ConfigurationError, match="rounds"):
-        unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"schedule": "interleaved_1f1b"},
-                       accumulate_grad_batches=5, global_batch_size=40)
+        unison.Trainer(
+            max_steps=1,
+            strategy="pipeline",
+            strategy_options={"schedule": "interleaved_1f1b"},
+            accumulate_grad_batches=5,
+            global_batch_size=40,
+        )
 
 
 def test_balance_by_parameter_count():
@@ -305,7 +334,7 @@ def test_deepspeed_pipeline_declares_fp32_only(world_of):
     world_of(2)
     with pytest.raises(ConfigurationError, match="does not support precision"):
         unison.Trainer(max_steps=1, strategy="deepspeed_pipeline", precision="16-mixed")
-    with pytest.raises(ConfigurationError, match="nn.Sequential"):
+    with pytest.raises(ConfigurationError, match=r"nn\.Sequential"):
         _fit(unison.Trainer(max_steps=1, strategy="deepspeed_pipeline"), NotSequential())
     world_of(3)
     with pytest.raises(ConfigurationError, match="world size 3 is not a multiple of 2"):

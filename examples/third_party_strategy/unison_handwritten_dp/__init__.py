@@ -8,13 +8,15 @@ path; a module-level ``unison_strategies`` hook registers it by name.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import unison
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+import unison
 from unison import (
     AccumulationOwner,
     ConfigurationError,
