@@ -677,6 +677,7 @@ def check_precision_declarations(strategy: str, plugins: Sequence[str], sizing: 
                     global_batch_size=batch,
                     max_steps=1,
                     accelerator="cpu",
+                    progress="off",
                 )
         except Exception as exc:  # recorded, judged by compare
             raised = {

@@ -410,6 +410,8 @@ class Scenario:
             "seed": 0,
             "shuffle": self.shuffle,
             "accelerator": "cpu",
+            # The suite's runs print nothing: its report is the output.
+            "progress": "off",
             **({"checkpoint_every_n_steps": self.checkpoint_every} if self.checkpoint_every else {}),
             **dict(run.overrides),
         }

@@ -185,3 +185,17 @@ def test_a_configuration_error_after_setup_is_an_error_not_a_refusal(monkeypatch
     )
     assert trace["status"] == "refused" and trace["refusal"]["option"] == "model"
     assert trace["refusal"]["feature"] is None and not trace["refusal"]["in_constructor"]
+
+
+def test_the_suites_runs_print_no_progress(capfd):
+    """Every run's Trainer is built with progress="off": the suite's output is its report."""
+    scenario = SCENARIOS_BY_NAME["plain"]
+    run = scenario.run("reference", "main")
+    assert scenario.trainer_settings(Sizing(1, 2), run)["progress"] == "off"
+    trace = execute_run(
+        scenario, run, strategy="single", sizing=Sizing(1, 2), plugins=[], checkpoint_dir=None, resume_path=None
+    )
+    assert trace["status"] == "ok" and len(trace["steps"]) == scenario.max_steps
+    out, err = capfd.readouterr()
+    # Without it, plain progress prints "train step k/6 | loss ..." lines here (not a terminal).
+    assert "train step" not in out + err
