@@ -78,7 +78,7 @@ import torch
 
 from unison.conformance.runner import StrategyResult
 from unison.conformance.scenarios import Run, Scenario, build_model, needs
-from unison.ownership import AccumulationOwner, GradSync, WorldSizes
+from unison.ownership import AccumulationOwner, Feature, GradSync, WorldSizes
 
 #: Denominator floor of the relative comparisons.
 RELATIVE_FLOOR = 1e-3
@@ -864,6 +864,10 @@ def judge_refusal(
     needed["world_size"] = f"world size {world_size}"
     declared = declared_refusals(ownership, world_size)
     hit = {k: declared[k] for k in needed if k in declared}
+    if refusal.get("option") == "optimizer":
+        # A refusal of the optimizer is covered by a declared optimizer
+        # restriction only, not by an unrelated declared refusal.
+        hit = {k: v for k, v in hit.items() if k == Feature.ANY_OPTIMIZER.value}
     feature = refusal.get("feature")
     label = _label(run.backend, run.id)
     message = refusal.get("message") or trace.get("reason") or "?"

@@ -216,6 +216,9 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw_groups": lambda params: torch.optim.AdamW(_split_groups(params)),
 }
 
+#: The class each optimizer factory returns (named in what a run needs).
+_OPTIMIZER_CLASSES = {"sgd": "torch.optim.SGD", "adamw": "torch.optim.AdamW", "adamw_groups": "torch.optim.AdamW"}
+
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
     "warmup": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)),
@@ -375,6 +378,7 @@ class Scenario:
     )
 
     def run(self, backend: Backend, run_id: str) -> Run:
+        """The run ``run_id`` of ``backend`` (the tests execute single runs by name)."""
         for r in self.runs:
             if r.backend == backend and r.id == run_id:
                 return r
@@ -436,6 +440,9 @@ def needs(scenario: Scenario, run: Run) -> dict[str, str]:
     for feature, evidence in model_features(build_model(scenario.model)).items():
         out[feature.value] = f"model {scenario.model!r}: {evidence}"
     out[f"precision:{scenario.precision}"] = f"precision={scenario.precision!r}"
+    # Every run trains with an optimizer from the factory; a strategy that runs
+    # its own optimizer may accept only some classes (its reason names them).
+    out[Feature.ANY_OPTIMIZER.value] = f"optimizer {scenario.optimizer!r} ({_OPTIMIZER_CLASSES[scenario.optimizer]})"
     return out
 
 

@@ -144,6 +144,9 @@ class Feature(str, enum.Enum):
     #: A model that is not an ``nn.Sequential`` and declares no split points
     #: (``pipeline_layers = [child names in forward order]``).
     ARBITRARY_MODULE = "arbitrary_module"
+    #: An optimizer of any class from the optimizer factory (a strategy that
+    #: runs its own optimizer accepts only the classes its reason names).
+    ANY_OPTIMIZER = "any_optimizer"
 
     @property
     def description(self) -> str:
@@ -160,6 +163,7 @@ _FEATURE_DESCRIPTIONS = {
     Feature.FROZEN_PARAMETERS: "models with frozen parameters (requires_grad=False)",
     Feature.BUFFERS: "models with buffers",
     Feature.ARBITRARY_MODULE: "models that are not an nn.Sequential and declare no split points (pipeline_layers)",
+    Feature.ANY_OPTIMIZER: "any optimizer class from the optimizer factory",
 }
 
 

@@ -87,6 +87,7 @@ from torch.distributed.checkpoint.state_dict import (
 from unison.errors import ConfigurationError
 from unison.ownership import (
     AccumulationOwner,
+    Feature,
     GradAccumulation,
     GradSync,
     Ownership,
@@ -333,6 +334,11 @@ class DistributedFusedAdamStrategy(Strategy):
             state_dict=_STATE,
             replica_init=ReplicaInit.TRAINER,
             world_sizes=world_sizes,
+            # Checked by validate_optimizer, before any process group.
+            refuses={
+                Feature.ANY_OPTIMIZER: "it trains with DistributedFusedAdam, an Adam optimizer: the factory must "
+                "return torch.optim.AdamW, torch.optim.Adam or apex.optimizers.FusedAdam",
+            },
             notes=(
                 "gradient sync: no module wrapper; hooks on each parameter's gradient accumulator reduce-scatter "
                 "(ReduceOp.AVG) over the distributed group, then all-reduce over the redundant group",

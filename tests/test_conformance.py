@@ -613,6 +613,30 @@ def test_declared_unsupported_precision_is_declared_out_only_when_refused(report
     assert v.status == "fail" and v.diagnosis.rule == "undeclared_refusal"
 
 
+def test_an_optimizer_refusal_is_declared_out_only_under_a_declared_optimizer_restriction(report):
+    """A strategy that accepts only some optimizer classes declares Feature.ANY_OPTIMIZER refused; an unrelated
+    declared refusal does not cover a refusal of the optimizer."""
+    result = copy.deepcopy(_result(report, GOOD))
+    result.traces["plain"]["main"] = {
+        "status": "refused",
+        "reason": "optimizer: ...",
+        "refusal": {
+            "type": "ConfigurationError",
+            "option": "optimizer",
+            "feature": None,
+            "message": "optimizer: strategy trains with an Adam optimizer; the factory returned torch.optim.SGD",
+        },
+    }
+    result.ownership["refuses"] = {"any_optimizer": "Adam optimizers only"}
+    v = judge_scenario(SCENARIOS_BY_NAME["plain"], result, report.reference)
+    assert v.status == DECLARED_OUT and "any_optimizer refused: Adam optimizers only" in v.reason
+    # Declaring something else the run needs (its loss_fn batch form) does not cover the optimizer refusal.
+    result.ownership["refuses"] = {"loss_fn": "training_step only"}
+    v = judge_scenario(SCENARIOS_BY_NAME["plain"], result, report.reference)
+    assert v.status == "fail" and v.diagnosis.rule == "undeclared_refusal"
+    assert "refused optimizer although it declares it supported" in v.diagnosis.explanation
+
+
 def test_an_error_after_setup_is_never_declared_out(report):
     result = copy.deepcopy(_result(report, GOOD))
     result.ownership["refuses"] = {"gradient_accumulation": "declared"}
