@@ -10,5 +10,7 @@ python3 -m venv .venv
 .venv/bin/pip install -q "torch==2.13.0"
 # tensorboard, mlflow, wandb: the loggers (their tests read each one back; mlflow runs a local server);
 # hf: transformers and datasets for the Hugging Face example.
+# jinja2 and matplotlib (core dependencies) render the conformance report; its browser test needs a
+# chromium, which .ci/run installs with apt when missing.
 .venv/bin/pip install -q --no-build-isolation -e ".[dev,deepspeed,fairscale,tensorboard,mlflow,wandb,hf]" "torch==2.13.0"
 rm -rf unison.egg-info  # build metadata only; a stale copy would shadow the installed entry points
