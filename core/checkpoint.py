@@ -1,118 +1,373 @@
-"""Atomic, resumable checkpoints.
+"""Verified, atomic, resumable checkpoints.
 
 Layout under ``checkpoint_dir``::
 
     step-00000010/           one committed checkpoint
       state/                 the strategy's model + optimizer files (its declared format)
-      trainer.pt             rank 0: progress, scheduler, precision, plugin state
-      rng/rank-00000.pt      every rank's RNG state
-      meta.json              written last: strategy, world size, step, format
-    latest                   text file naming the newest committed checkpoint
+      trainer.pt             rank 0: progress, scheduler, precision, plugin state (plain data)
+      rng/rank-00000.pt      every rank's RNG state (plain data)
+      manifest.json          written last: who wrote it, and every file's size and sha256
+    latest                   names the newest commit (for people and scripts)
+    .step-00000012.partial/  a save in progress, or one a crash interrupted (ignored, then removed)
 
-Template method: the public :meth:`Checkpointer.save` holds the rules that must
-never vary (write into a ``.partial`` directory, barrier, commit with one
-``rename``, then move ``latest`` with ``os.replace``) and :meth:`Checkpointer.resolve`
-finds only committed checkpoints; the ``_write``, ``_point_latest`` and ``_prune``
-hooks do the I/O. The rules live in one place because a crash at any point must
-leave the previous checkpoint, and ``latest``, untouched.
+Rules (why each exists):
+
+* A checkpoint is written into ``.step-N.partial/``, its files hashed and
+  flushed, ``manifest.json`` written last, and the directory renamed into
+  place: a crash at any moment leaves either no checkpoint or a complete one,
+  and the previous checkpoints untouched.
+* Commits are numbered. "Newest" means the highest commit number, never the
+  highest step or name, so resuming from step 10 in a directory that also holds
+  step 20 continues correctly, and pruning never removes what was just saved.
+* Re-saving a step commits the new copy under a fresh name first and only then
+  removes the old one: some complete copy of that step exists at every moment.
+* A directory belongs to one run. A run that was not asked to resume refuses a
+  directory that already holds committed checkpoints, so nothing of another
+  run is ever overwritten or pruned.
+* Loading verifies every file against the manifest before any loader opens one
+  (:mod:`unison.manifest`); ``ckpt_path="auto"`` falls back to the previous
+  commit, with a warning, when the newest does not verify.
+* unison's own files hold plain data only and load with
+  ``weights_only=True`` (:mod:`unison.safe_io`).
+
+Template method: the public methods (:meth:`Checkpointer.save`,
+:meth:`Checkpointer.select`, :meth:`Checkpointer.claim`) hold these rules and
+never touch a file themselves; the ``_`` hooks and the :class:`LocalStorage`
+seam do the I/O, so an object-storage backend replaces those and inherits
+the rules unchanged.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
+import re
+import uuid
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from unison.errors import ConfigurationError
+from unison.manifest import (
+    MANIFEST,
+    RNG_DIR,
+    TRAINER_STATE,
+    CheckpointError,
+    CorruptCheckpointError,
+    Manifest,
+    barrier,
+    broadcast,
+    hash_files,
+    rank,
+    utc_now,
+    verify,
+)
+from unison.safe_io import decode_rng, dumps, encode_rng, loads
+from unison.storage import LocalStorage
+
 LATEST = "latest"
-META = "meta.json"
+#: ``step-00000010`` or, for a re-save of that step, ``step-00000010.1``.
+_NAME = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
 
-
-def _barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
-def _is_zero() -> bool:
-    return not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0
+__all__ = ["Checkpointer", "Committed", "CheckpointError", "CorruptCheckpointError", "step_dir_name"]
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-class Checkpointer:
-    """Writes and finds checkpoints under one root directory."""
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (e.g. ``auto`` fell back past one that does not verify)."""
 
-    def __init__(self, root: str | os.PathLike[str], keep_last_n: int | None = None) -> None:
+
+@dataclass(frozen=True)
+class Committed:
+    """One committed checkpoint directory and its manifest (``None`` when unreadable)."""
+
+    path: Path
+    manifest: Manifest | None
+    problem: str | None = None
+
+
+class Checkpointer:
+    """Writes, finds, verifies and prunes the checkpoints under one root directory."""
+
+    def __init__(self, root: str | os.PathLike[str], keep_last_n: int | None = None,
+                 storage: LocalStorage | None = None) -> None:
         self.root = Path(root)
         self.keep_last_n = keep_last_n
+        self.storage = storage or LocalStorage()
+        #: The run this checkpointer writes for; adopted from the checkpoint a
+        #: run resumes from (within this root), otherwise made at the first save.
+        self.run_id: str | None = None
+        #: Step of the checkpoint this run last committed or resumed from in
+        #: this root (a save at that step again would only rewrite it).
+        self.last_step: int | None = None
 
-    # -- public: the rules --------------------------------------------------- #
-    def save(self, step: int, write: Callable[[Path], dict[str, Any]]) -> Path:
-        """Write a checkpoint for ``step`` atomically; collective on every rank.
+    # ======================================================================= #
+    # Public: the rules
+    # ======================================================================= #
+    def committed(self) -> list[Committed]:
+        """Committed checkpoints under the root, oldest commit first.
 
-        ``write(directory)`` writes the files of this rank and returns the
-        metadata dict (only rank 0's is kept).
+        Those whose manifest cannot be read come first, with ``problem`` set;
+        nothing is verified here.
         """
-        final = self.root / step_dir_name(step)
-        partial = self.root / f".{step_dir_name(step)}.partial"
-        if _is_zero():
-            self.root.mkdir(parents=True, exist_ok=True)
-            if partial.exists():  # left by a crash: never committed, safe to drop
-                shutil.rmtree(partial)
-            partial.mkdir()
-        _barrier()
-        meta = self._write(partial, write)
-        _barrier()
-        if _is_zero():
-            (partial / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
-            if final.exists():  # re-saving the same step: replace it as a whole
-                shutil.rmtree(final)
-            os.rename(partial, final)  # the commit point
-            self._point_latest(final.name)
-            self._prune()
-        _barrier()
-        return final
-
-    def resolve(self, ckpt_path: str | os.PathLike[str]) -> Path:
-        """``"last"`` -> the newest committed checkpoint; a path -> itself, checked."""
-        if str(ckpt_path) == "last":
-            pointer = self.root / LATEST
-            if not pointer.exists():
-                raise FileNotFoundError(f"ckpt_path='last' but {self.root} holds no committed checkpoint")
-            path = self.root / pointer.read_text().strip()
-        else:
-            path = Path(ckpt_path)
-        if not (path / META).exists():
-            raise FileNotFoundError(f"{path} is not a committed unison checkpoint (no {META})")
-        return path
+        good, bad = [], []
+        for name in self.storage.list_dir(self.root):
+            path = self.root / name
+            if not _NAME.match(name) or not self.storage.exists(path / MANIFEST):
+                continue  # partial, foreign, or an older layout: never ours to touch
+            try:
+                good.append(Committed(path, Manifest.read(self.storage, path)))
+            except (CheckpointError, OSError) as exc:
+                bad.append(Committed(path, None, str(exc)))
+        good.sort(key=lambda c: c.manifest.commit)  # type: ignore[union-attr]
+        return bad + good
 
     def latest(self) -> Path | None:
-        try:
-            return self.resolve("last")
-        except FileNotFoundError:
+        """The newest committed checkpoint (by commit), unverified; ``None`` when there is none."""
+        readable = [c for c in self.committed() if c.manifest is not None]
+        return readable[-1].path if readable else None
+
+    def resolve(self, ckpt_path: str | os.PathLike[str]) -> Path:
+        """``"last"``/``"auto"`` -> the newest committed checkpoint; a path -> itself, if committed (unverified)."""
+        if str(ckpt_path) in ("last", "auto"):
+            path = self.latest()
+            if path is None:
+                raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r} but {self.root} holds no committed checkpoint")
+            return path
+        path = Path(ckpt_path)
+        if not self.storage.exists(path / MANIFEST):
+            raise FileNotFoundError(f"{path} is not a committed unison checkpoint (no {MANIFEST})")
+        return path
+
+    def claim(self, ckpt_path: str | os.PathLike[str] | None) -> None:
+        """Refuse to start a run that would write into another run's checkpoints.
+
+        Called before any process group exists. ``"auto"`` and ``"last"`` take
+        the directory over as a resume of its run; a checkpoint inside the
+        root resumes that run too. Starting fresh (``None``), or from a
+        checkpoint elsewhere, into a root that holds committed checkpoints is
+        refused: its saves would replace and prune the other run's.
+        """
+        if ckpt_path is not None and str(ckpt_path) in ("auto", "last"):
+            return
+        existing = self.committed()
+        if not existing:
+            return
+        if ckpt_path is not None and _same_dir(Path(ckpt_path).parent, self.root):
+            return
+        newest = existing[-1].path.name
+        asked = "starts fresh" if ckpt_path is None else f"resumes from {ckpt_path}, outside it,"
+        raise ConfigurationError(
+            "checkpoint_dir",
+            f"{self.root} already holds {len(existing)} committed checkpoint(s) of another run (newest {newest}) "
+            f"and this run {asked} so its saves would replace or prune them",
+            "resume that run with ckpt_path='auto' (`unison train --resume auto`), or give this run its own "
+            "checkpoint_dir, or delete the old checkpoints",
+        )
+
+    def select(self, ckpt_path: str | os.PathLike[str]) -> Committed | None:
+        """The checkpoint to resume from, verified (collective: call on every rank).
+
+        * ``"auto"``: the newest commit that verifies; a newer one that does
+          not is skipped with a warning; ``None`` when the root holds none
+          (start fresh). If commits exist but none verifies, raises.
+        * ``"last"``: the newest commit; raises if there is none or it fails.
+        * a path: that checkpoint; raises if it is not committed or fails.
+
+        Leftover ``.partial`` directories are removed once the choice is made.
+        """
+        auto = str(ckpt_path) == "auto"
+        if str(ckpt_path) in ("auto", "last"):
+            entries = self.committed()
+            unreadable = [c for c in entries if c.manifest is None]
+            candidates = [c.path for c in reversed(entries) if c.manifest is not None]
+            if not auto:
+                if unreadable and not candidates:
+                    raise CheckpointError(unreadable[0].problem or "unreadable manifest")
+                if not candidates:
+                    raise FileNotFoundError(f"ckpt_path='last' but {self.root} holds no committed checkpoint")
+                candidates = candidates[:1]
+            for c in unreadable:
+                self._warn(f"skipping {c.path}: {c.problem}")
+            if auto and not candidates and not unreadable:
+                if rank() == 0:
+                    self._clean_partials()
+                return None
+        else:
+            candidates = [self.resolve(ckpt_path)]
+        failures = []
+        for path in candidates:
+            try:
+                manifest = verify(self.storage, path)
+            except CorruptCheckpointError as exc:
+                if not auto:
+                    raise
+                failures.append(str(exc))
+                self._warn(f"{exc}; falling back to the previous committed checkpoint")
+                continue
+            if _same_dir(path.parent, self.root):
+                self.run_id = manifest.run  # continuing this directory's run
+                self.last_step = manifest.step
+                if rank() == 0:
+                    self._clean_partials()
+            return Committed(path, manifest)
+        raise CheckpointError(
+            f"no committed checkpoint under {self.root} verifies ({'; '.join(failures) or 'all manifests unreadable'}); "
+            "inspect them with `unison checkpoint verify`, move them away to start fresh"
+        )
+
+    def save(self, step: int, write: Callable[[Path], dict[str, Any]]) -> Path:
+        """Write and commit a checkpoint for ``step`` (collective: call on every rank).
+
+        ``write(directory)`` writes this rank's files and returns the
+        description the manifest records (``strategy``, ``world_size``,
+        ``precision``, ``state_dict``; rank 0's is kept). Returns the committed
+        directory on every rank.
+        """
+        partial = self.root / f".{step_dir_name(step)}.partial"
+        self._on_rank_zero(lambda: self._begin(partial), "prepare the checkpoint directory")
+        description = self._write(partial, write)
+        barrier()  # every rank's files are on disk
+        files = hash_files(self.storage, partial, sync=True)
+
+        def commit() -> str:
+            entries = self.committed()
+            commit_no = max((c.manifest.commit for c in entries if c.manifest), default=0) + 1
+            self.run_id = self.run_id or uuid.uuid4().hex[:16]
+            manifest = Manifest(
+                unison_version=_unison_version(), torch_version=torch.__version__, run=self.run_id, commit=commit_no,
+                step=step, created=utc_now(), files=files, **description,
+            )
+            self.storage.write_text(partial / MANIFEST, manifest.to_json())
+            final = self._free_name(step)
+            self._commit(partial, final)  # the commit point
+            self._point_latest(final.name)
+            # The older copies of this step of this run are now replaced.
+            for c in entries:
+                if c.manifest and c.manifest.step == step and c.manifest.run == self.run_id:
+                    self._remove(c.path)
+            self._prune(keep=final)
+            return final.name
+
+        final = self.root / self._on_rank_zero(commit, "commit the checkpoint")
+        self.last_step = step
+        return final
+
+    # ======================================================================= #
+    # unison's own files: plain data only
+    # ======================================================================= #
+    def write_trainer_state(self, directory: Path, state: dict[str, Any], *, write: bool) -> None:
+        """Serialise on every rank (so a state that cannot be saved fails on all ranks alike); ``write`` on one."""
+        data = dumps(state, "the trainer state (unison_on_save_checkpoint)")
+        if write:
+            self.storage.write_bytes(directory / TRAINER_STATE, data, sync=False)
+
+    def read_trainer_state(self, path: Path) -> dict[str, Any]:
+        return loads(self.storage.read_bytes(path / TRAINER_STATE), str(path / TRAINER_STATE))
+
+    def write_rng(self, directory: Path, rank_: int, state: dict[str, Any]) -> None:
+        self.storage.write_bytes(_rng_file(directory, rank_), dumps(encode_rng(state), "the RNG state"), sync=False)
+
+    def read_rng(self, path: Path, rank_: int) -> dict[str, Any] | None:
+        """This rank's RNG state, or ``None`` when the checkpoint has none for it (another world size)."""
+        file = _rng_file(path, rank_)
+        if not self.storage.exists(file):
             return None
+        return decode_rng(loads(self.storage.read_bytes(file), str(file)))
 
-    @staticmethod
-    def read_meta(path: Path) -> dict[str, Any]:
-        return json.loads((path / META).read_text())
+    # ======================================================================= #
+    # Hooks: the I/O
+    # ======================================================================= #
+    def _begin(self, partial: Path) -> None:
+        self.storage.make_dir(self.root)
+        self._clean_partials()  # leftovers of interrupted saves: never committed, nobody else writes here
+        self.storage.make_dir(partial)
 
-    # -- hooks: the I/O ---------------------------------------------------- #
     def _write(self, directory: Path, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
         return write(directory)
 
-    def _point_latest(self, name: str) -> None:
-        tmp = self.root / f".{LATEST}.tmp"
-        tmp.write_text(name + "\n")
-        os.replace(tmp, self.root / LATEST)
+    def _free_name(self, step: int) -> Path:
+        base = step_dir_name(step)
+        path, n = self.root / base, 0
+        while self.storage.exists(path):
+            n += 1
+            path = self.root / f"{base}.{n}"
+        return path
 
-    def _prune(self) -> None:
+    def _commit(self, partial: Path, final: Path) -> None:
+        self.storage.commit_dir(partial, final)
+
+    def _point_latest(self, name: str) -> None:
+        self.storage.replace_file(self.root / LATEST, name + "\n")
+
+    def _remove(self, path: Path) -> None:
+        self.storage.remove_tree(path)
+
+    def _clean_partials(self) -> None:
+        for name in self.storage.list_dir(self.root):
+            if name.startswith(".") and name.endswith(".partial"):
+                self._remove(self.root / name)
+
+    def _prune(self, keep: Path) -> None:
+        """Keep the newest ``keep_last_n`` commits of this run; never ``keep`` nor ``latest``'s target."""
         if not self.keep_last_n:
             return
-        committed = sorted(p for p in self.root.glob("step-*") if (p / META).exists())
-        for old in committed[: -self.keep_last_n]:
-            shutil.rmtree(old, ignore_errors=True)
+        mine = [c for c in self.committed() if c.manifest is not None and c.manifest.run == self.run_id]
+        protected = {keep.name, self._latest_pointer()}
+        for c in mine[: -self.keep_last_n]:
+            if c.path.name not in protected:
+                self._remove(c.path)
+
+    def _latest_pointer(self) -> str | None:
+        try:
+            return self.storage.read_text(self.root / LATEST).strip()
+        except FileNotFoundError:
+            return None
+
+    def _on_rank_zero(self, fn: Callable[[], Any], what: str) -> Any:
+        """Run ``fn`` on rank 0 and hand its result, or its failure, to every rank.
+
+        Without this a failure on rank 0 (a full disk) would leave the other
+        ranks waiting in the next collective until the process-group timeout.
+        """
+        result: tuple[str, Any] = ("ok", None)
+        error: BaseException | None = None
+        if rank() == 0:
+            try:
+                result = ("ok", fn())
+            except Exception as exc:
+                error = exc
+                result = ("error", f"{type(exc).__name__}: {exc}")
+        status, value = broadcast(result)
+        if error is not None:
+            raise error
+        if status == "error":
+            raise CheckpointError(f"rank 0 failed to {what}: {value}")
+        return value
+
+    def _warn(self, message: str) -> None:
+        if rank() == 0:
+            warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+def _rng_file(directory: Path, rank_: int) -> Path:
+    return directory / RNG_DIR / f"rank-{rank_:05d}.pt"
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def _unison_version() -> str:
+    import unison
+
+    return unison.__version__
+

@@ -4,7 +4,8 @@
 * ``unison precisions`` – every registered precision plugin, available or not (with why).
 * ``unison describe NAME`` – the strategy's ownership declaration.
 * ``unison run --nproc N [TORCHRUN_OPTION=VALUE ...] script.py [ARGS]`` – torchrun.
-* ``unison train CONFIG [--strategy NAME] [--nproc N]`` – train from a config file.
+* ``unison train CONFIG [--strategy NAME] [--nproc N] [--resume auto|PATH]`` – train from a config file.
+* ``unison checkpoint inspect|verify|export PATH`` – see :mod:`unison.checkpoint_cli`.
 
 Plugins add more commands through ``unison_add_cli_commands``
 (``unison conformance`` comes from the conformance suite that way).
@@ -21,6 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from unison.checkpoint_cli import checkpoint as checkpoint_commands
 from unison.errors import UnisonError
 from unison.launch import run_script
 from unison.manager import PluginManager
@@ -142,8 +144,17 @@ def run(nproc: int, args: tuple[str, ...]) -> None:
 @click.option("--strategy", default=None, help="Override [trainer] strategy.")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="Processes on this node.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Override [trainer] max_steps.")
-def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) -> None:
+@click.option("--resume", default=None, metavar="auto|PATH",
+              help="Resume: 'auto' = the newest committed checkpoint in checkpoint_dir, or a fresh start if none; "
+                   "or a checkpoint directory.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Restart all workers this many times when one fails (needs --resume auto).")
+def train(config: str, strategy: str | None, nproc: int, max_steps: int | None, resume: str | None,
+          max_restarts: int) -> None:
     """Train from a TOML or YAML CONFIG (see unison.config for the layout)."""
+    if max_restarts and resume != "auto":
+        # A restarted world must continue from its last checkpoint, not refuse its own directory.
+        raise click.UsageError("--max-restarts needs --resume auto")
     from unison.config import load_config, resolve_run
     from unison.trainer import build_strategy
 
@@ -153,7 +164,7 @@ def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) 
     if max_steps is not None:
         overrides["max_steps"] = max_steps
     run_config, base = load_config(config, overrides)
-    if nproc > 1 and "LOCAL_RANK" not in os.environ:
+    if (nproc > 1 or max_restarts) and "LOCAL_RANK" not in os.environ:
         # Validate before any worker or process group starts, then relaunch.
         pm = PluginManager()
         build_strategy(run_config.trainer, pm, nproc)
@@ -161,12 +172,13 @@ def train(config: str, strategy: str | None, nproc: int, max_steps: int | None) 
         _config_plugins(run_config, base, pm)  # loggers and callbacks: constructing them checks their options
         # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
         argv = ["train", config, *(["--strategy", strategy] if strategy else []),
-                *(["--max-steps", str(max_steps)] if max_steps is not None else [])]
-        sys.exit(run_script("unison.cli", nproc, argv, ["--module"]))
-    _train_here(config, overrides)
+                *(["--max-steps", str(max_steps)] if max_steps is not None else []),
+                *(["--resume", resume] if resume is not None else [])]
+        sys.exit(run_script("unison.cli", nproc, argv, ["--module", f"--max-restarts={max_restarts}"]))
+    _train_here(config, overrides, resume)
 
 
-def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
+def _train_here(config_path: str, overrides: dict[str, Any], resume: str | None = None) -> None:
     from unison.config import load_config, resolve_run
     from unison.trainer import Trainer
 
@@ -182,6 +194,7 @@ def _train_here(config_path: str, overrides: dict[str, Any]) -> None:
         optimizer=run["optimizer"],
         lr_scheduler=run["lr_scheduler"],
         val_dataset=val_ds,
+        ckpt_path=resume,
     )
     if trainer.is_global_zero:
         last = progress.history[-1] if progress.history else None
@@ -199,6 +212,9 @@ def _config_plugins(config: Any, base: Any, pm: PluginManager) -> list[Any]:
     return pm.unison_plugins_from_config(config=config) + build_callbacks(config, base)
 
 
+cli.add_command(checkpoint_commands)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         # Inside the try: a broken plugin is reported like any other error.
@@ -209,8 +225,9 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        sys.exit(1)
+    except click.exceptions.Abort as exc:
+        # Ctrl-C: the shell's convention (128 + SIGINT), so scripts can tell an interrupt from a failure
+        sys.exit(130 if isinstance(exc.__cause__, KeyboardInterrupt) else 1)
     except UnisonError as exc:
         # escape: messages name extras like unison[tensorboard], which rich would read as markup
         console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)

@@ -158,7 +158,10 @@ def unison_on_exception(trainer: "Trainer", exception: BaseException) -> None:
     """When ``fit`` is leaving because of an exception, on the failing rank.
 
     Called by :meth:`Trainer.fit` before the exception propagates. No
-    checkpoint is written: the last good one stays untouched. Must not raise.
+    checkpoint is written: the last good one stays untouched. A stop request
+    (SIGTERM/SIGUSR1) ends ``fit`` with :class:`unison.lifecycle.Preempted`
+    after its checkpoint was committed; it arrives here too, on every rank.
+    Must not raise.
     """
 
 
@@ -273,15 +276,17 @@ def unison_on_save_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") 
     """While a checkpoint is written, before it is committed, on every rank.
 
     Called by :meth:`Trainer.save_checkpoint` (every
-    ``checkpoint_every_n_steps`` and at the end of ``fit``, unless the last
-    step was just saved) after the strategy
-    wrote its files and before the checkpoint directory is renamed into place;
+    ``checkpoint_every_n_steps``, on a stop request and at the end of ``fit``)
+    after the strategy wrote its files and before the checkpoint is committed;
     an exception here leaves the previous checkpoint as the latest.
 
-    ``checkpoint`` is the rank-0 trainer state that will be saved with
-    ``torch.save`` (progress, scheduler, scaler). A plugin may add its own
-    picklable entry under a key of its own name; it is returned to
-    :func:`unison_on_load_checkpoint` on resume. Only rank 0's dict is saved.
+    ``checkpoint`` is the trainer state rank 0 saves (progress, scheduler,
+    scaler). A plugin may add its own entry under a key of its own name; it
+    must be plain data (tensors, numbers, strings, ``None``, and lists, tuples
+    or dicts of those), because checkpoints load with
+    ``torch.load(weights_only=True)``: anything else fails the save with its
+    type. It is returned to :func:`unison_on_load_checkpoint` on resume. Only
+    rank 0's dict is saved.
     """
 
 

@@ -32,22 +32,85 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_script(script: str, nproc: int, script_args: Sequence[str] = (), torchrun_args: Sequence[str] = ()) -> int:
-    """Run ``script`` under torchrun with ``nproc`` processes on this node; return its exit code."""
-    from torch.distributed import run as torchrun
+#: torchrun options unison run sets unless the caller passes them.
+_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
+
+def run_script(script: str, nproc: int, script_args: Sequence[str] = (), torchrun_args: Sequence[str] = ()) -> int:
+    """Run ``script`` under torchrun with ``nproc`` processes on this node; return its exit code.
+
+    What it does beyond plain torchrun, and why:
+
+    * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: torchrun otherwise keeps one
+      rendezvous store across worker restarts, and a restarted world reads the
+      dead worker's address from the previous attempt, then hangs or is
+      refused. With it every attempt gets a fresh store.
+    * SIGUSR1 is forwarded to the workers with SIGTERM (SLURM sends it before
+      the time limit), so they commit a checkpoint and stop.
+    * A failure is reported as one line per failed rank, the first failure
+      first (from the error each worker's trainer records), instead of
+      torchrun's stack trace and table; the exit code is the first failure's
+      (128 + N for signal N; 75 when every failed rank stopped on request).
+    """
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     argv = [f"--nproc-per-node={nproc}", *torchrun_args]
     if not any(a.startswith(("--rdzv", "--master", "--nnodes", "--standalone")) for a in torchrun_args):
         argv.insert(0, "--standalone")  # single node, free port, no rendezvous server to run
+    if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in torchrun_args):
+        argv.append(f"--signals-to-handle={_SIGNALS_TO_HANDLE}")
     argv += [script, *script_args]
     try:
-        torchrun.main(argv)
-    except SystemExit as exc:  # torchrun exits with the failed worker's code
-        return int(exc.code or 0)
-    except Exception as exc:  # ChildFailedError carries the failure summary
-        print(exc, file=sys.stderr)
-        return 1
+        # torchrun.run, not torchrun.main: main's @record prints the failure
+        # table and a stack trace of the launcher itself.
+        torchrun.run(torchrun.parse_args(argv))
+    except ChildFailedError as exc:
+        code, lines = summarize_failures(exc.failures)
+        print("\n".join(lines), file=sys.stderr, flush=True)
+        return code
+    except SignalException as exc:  # the launcher itself was told to stop; workers got the signal too
+        print(f"unison run: stopped by {exc.sigval.name}; the workers were asked to stop", file=sys.stderr)
+        return 128 + int(exc.sigval)
     return 0
+
+
+def summarize_failures(failures: dict[int, Any]) -> tuple[int, list[str]]:
+    """``(exit code, report lines)`` for torchrun's failed workers, first failure first.
+
+    Order: workers killed by a signal first (a peer's failure never kills a
+    process by signal, while the other ranks of a killed worker fail in their
+    next collective with "connection closed"), then by the time each worker
+    recorded its exception (sub-second, written by the trainer), then by the
+    time torchrun saw the rest.
+    """
+    from unison.lifecycle import PREEMPTED_EXIT_CODE
+
+    def when(item: tuple[int, Any]) -> tuple[bool, float, int]:
+        rank, failure = item
+        info = failure.error_file_data.get("message", {})
+        precise = info.get("extraInfo", {}).get("unison_time") if isinstance(info, dict) else None
+        return (failure.exitcode >= 0, float(precise) if precise is not None else float(failure.timestamp), rank)
+
+    ordered = sorted(failures.items(), key=when)
+    if all(f.exitcode == PREEMPTED_EXIT_CODE for _, f in ordered):
+        return PREEMPTED_EXIT_CODE, [f"unison run: stopped on request after a checkpoint (exit code {PREEMPTED_EXIT_CODE})"]
+    lines = []
+    for i, (rank, failure) in enumerate(ordered):
+        if failure.exitcode < 0:
+            what = f"killed by {failure.signal_name()}"
+        else:
+            message = failure.message
+            if isinstance(message, dict):
+                message = message.get("message", "")
+            what = f"exit code {failure.exitcode}" + (f": {message.strip().splitlines()[0]}" if message and
+                                                      not message.startswith("To enable traceback") else "")
+        lines.append(f"  rank {rank} (pid {failure.pid}){' failed first' if i == 0 else ''}: {what}")
+    first = ordered[0][1]
+    code = 128 - first.exitcode if first.exitcode < 0 else first.exitcode or 1
+    return code, [f"unison run: {len(ordered)} worker(s) failed (exit code {code}); tracebacks above:", *lines]
 
 
 class WorldError(RuntimeError):

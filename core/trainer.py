@@ -24,7 +24,6 @@ Order of one ``fit`` (see :mod:`unison.hookspecs` for the hooks)::
 from __future__ import annotations
 
 import contextlib
-import datetime
 import inspect
 import math
 import os
@@ -41,6 +40,7 @@ from unison.checkpoint import Checkpointer
 from unison.data import TrainData, check_divisible, is_map_style, resolve_source, validation_stream
 from unison.env import DistEnv, device_for, resolve_accelerator, world_from_env
 from unison.errors import ConfigurationError, DeclaredRefusal, UnisonError
+from unison.lifecycle import RunGuard, init_process_group
 from unison.manager import PluginManager
 from unison.ownership import AccumulationOwner, Feature, GradSync, ReplicaInit
 from unison.precision import DelegatedPrecision, Precision
@@ -410,6 +410,7 @@ class Trainer:
         self.checkpointer = Checkpointer(s.checkpoint_dir, s.keep_last_n_checkpoints) if s.checkpoint_dir else None
         self._owns_process_group = False
         self._control_group: Any = None
+        self._guard: RunGuard | None = None  # set for the duration of fit
         #: ``False`` until ``fit`` has finished its checks and starts the process
         #: group and the strategy's setup (refusals only ever happen before).
         self.setup_started = False
@@ -449,7 +450,7 @@ class Trainer:
             rank, world_size = dist.get_rank(), dist.get_world_size()
         elif backend is not None:
             if "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+                init_process_group(backend)  # rendezvous fails in minutes, not the 10-minute default
             else:
                 # A distributed strategy on one process without a launcher: a
                 # real, private world of 1 (no network rendezvous needed).
@@ -515,9 +516,19 @@ class Trainer:
             val_dataset: validated every ``val_every_n_steps`` and at the end.
             collate_fn: list of samples -> batch (default ``default_collate``),
                 e.g. a Hugging Face data collator; also used for validation.
-            ckpt_path: ``"last"`` or a checkpoint directory to resume from.
+            ckpt_path: where to resume from. ``"auto"``: the newest committed
+                checkpoint in ``checkpoint_dir`` that verifies, or a fresh
+                start when there is none (write a job once, restart it blindly).
+                ``"last"``: the newest committed one, which must exist and
+                verify. A path: that checkpoint. ``None``: start fresh, which
+                ``checkpoint_dir`` must allow (it holds no other run's
+                checkpoints).
             count_tokens: batch -> tokens, replacing the rule of
                 :func:`unison.batch.count_tokens` for throughput metrics.
+
+        On SIGTERM or SIGUSR1 every rank finishes the current optimizer step,
+        a checkpoint is committed (with ``checkpoint_dir``) and ``fit`` raises
+        :class:`unison.lifecycle.Preempted`, a ``SystemExit`` with code 75.
         """
         s = self.settings
         rank, world_size, _ = world_from_env()
@@ -536,8 +547,9 @@ class Trainer:
             _check_loss_fn(loss_fn)
             _refuse(self.strategy, Feature.LOSS_FN, "loss_fn", "use training_step=lambda model, batch: ...")
         if ckpt_path is not None:
-            if str(ckpt_path) == "last" and self.checkpointer is None:
-                raise ConfigurationError("ckpt_path", "'last' needs a checkpoint_dir", "set checkpoint_dir or pass a path")
+            if str(ckpt_path) in ("last", "auto") and self.checkpointer is None:
+                raise ConfigurationError("ckpt_path", f"{str(ckpt_path)!r} needs a checkpoint_dir",
+                                         "set checkpoint_dir or pass a path")
             _refuse(self.strategy, Feature.RESUME, "ckpt_path", "start without ckpt_path")
         model = _build_model(model, s.seed)
         if not any(p.requires_grad for p in model.parameters()):
@@ -554,15 +566,19 @@ class Trainer:
                          token_counter=count_tokens)
         self._check_first_batch(data.first_micro_batch(), loss_fn is not None)
         val = self._resolve_validation(val_dataset, collate_fn) if val_dataset is not None else None
+        if self.checkpointer is not None:
+            self.checkpointer.claim(ckpt_path)  # never write into another run's checkpoints
 
         self.loss_fn, self.training_step, self.data = loss_fn, training_step, data
         self._final_state = None
         self.should_stop = False
         # From here on nothing is refused as bad input: failures are errors.
         self.setup_started = True
+        self._guard = RunGuard()
         try:
-            self.env = self._setup_environment()
-            self._fit(model, optimizer, lr_scheduler, val, ckpt_path)
+            with self._guard:  # SIGTERM/SIGUSR1 -> stop at a step boundary; first error to torchrun
+                self.env = self._setup_environment()
+                self._fit(model, optimizer, lr_scheduler, val, ckpt_path)
         except BaseException as exc:
             self.pm.unison_on_exception(trainer=self, exception=exc)
             raise
@@ -628,8 +644,8 @@ class Trainer:
         # The end: validation and checkpoint once, unless the last step just had them.
         if val is not None and self._last_validated != self.progress.global_step:
             self.validate()
-        if self.checkpointer is not None and self._last_saved != self.progress.global_step:
-            self.save_checkpoint()
+        if self.checkpointer is not None and self.checkpointer.last_step != self.progress.global_step:
+            self.save_checkpoint()  # (not when it was just saved, or resumed at the end: committed already)
         if self._pending_metrics:
             self._emit(self._pending_metrics)
             self._pending_metrics = {}
@@ -641,7 +657,7 @@ class Trainer:
         s, hook = self.settings, self.pm
         assert self.data is not None
         epoch = None
-        self._last_validated = self._last_saved = None
+        self._last_validated = None
         for batch in self.data.steps(self.progress.global_step):
             step = batch.step
             if batch.epoch != epoch:
@@ -660,18 +676,27 @@ class Trainer:
                 self._last_validated = done
             if self.checkpointer and s.checkpoint_every_n_steps and done % s.checkpoint_every_n_steps == 0:
                 self.save_checkpoint()
-                self._last_saved = done
             if self._agree_to_stop():
                 break
 
     def _agree_to_stop(self) -> bool:
-        """Combine every rank's ``should_stop`` at the step boundary: any rank stopping stops all."""
-        env = self.env
-        if env is None or not env.distributed or env.world_size == 1:
-            return self.should_stop
-        flag = torch.tensor([1.0 if self.should_stop else 0.0])
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self._control_group)
-        self.should_stop = bool(flag.item())
+        """Combine every rank's ``should_stop`` and stop request (signal) at the step boundary.
+
+        Any rank stopping stops all, after the same optimizer step: one small
+        all-reduce on the CPU control group carries both flags. A stop request
+        (SIGTERM/SIGUSR1 on any rank) commits a checkpoint and raises
+        :class:`~unison.lifecycle.Preempted` on every rank.
+        """
+        env, guard = self.env, self._guard
+        requested = guard.received if guard is not None else None
+        if env is not None and env.distributed and env.world_size > 1:
+            flags = torch.tensor([float(self.should_stop), float(requested is not None)])
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self._control_group)
+            self.should_stop = bool(flags[0].item())
+            if flags[1].item() and requested is None:
+                requested = "a stop request on another rank"
+        if requested is not None and guard is not None:
+            guard.preempt(self, requested)
         return self.should_stop
 
     # -- one optimizer step -------------------------------------------------- #
@@ -882,14 +907,13 @@ class Trainer:
         return self.strategy.full_state_dict()
 
     def save_checkpoint(self) -> Path:
-        """Write a checkpoint for the current step (collective, atomic)."""
+        """Write and commit a checkpoint for the current step (collective, atomic, verified on load)."""
         assert self.checkpointer is not None and self.env is not None
-        env = self.env
+        env, checkpointer = self.env, self.checkpointer
 
         def write(directory: Path) -> dict[str, Any]:
             self.strategy.save_state(directory / "state")
-            (directory / "rng").mkdir(exist_ok=True)
-            torch.save(rng_state(), directory / "rng" / f"rank-{env.rank:05d}.pt")
+            checkpointer.write_rng(directory, env.rank, rng_state())
             trainer_state: dict[str, Any] = {
                 "progress": self.progress.state_dict(),
                 "scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
@@ -897,31 +921,33 @@ class Trainer:
                 "data": self.data.state_dict(self.progress.global_step) if self.data is not None else None,
             }
             self.pm.unison_on_save_checkpoint(trainer=self, checkpoint=trainer_state)
-            if env.rank == 0:
-                torch.save(trainer_state, directory / "trainer.pt")
+            checkpointer.write_trainer_state(directory, trainer_state, write=env.rank == 0)
             return {
-                "step": self.progress.global_step,
                 "strategy": self.strategy.name,
                 "world_size": env.world_size,
+                "precision": self.settings.precision,
                 "state_dict": self.ownership.to_dict()["state_dict"],
             }
 
-        return self.checkpointer.save(self.progress.global_step, write)
+        return checkpointer.save(self.progress.global_step, write)
 
     def _load_checkpoint(self, ckpt_path: str | os.PathLike[str]) -> None:
         assert self.env is not None
         checkpointer = self.checkpointer or Checkpointer(Path(ckpt_path).parent)
-        path = checkpointer.resolve(ckpt_path)
-        meta = Checkpointer.read_meta(path)
-        if meta["world_size"] != self.env.world_size and not meta["state_dict"]["reshardable"]:
+        found = checkpointer.select(ckpt_path)  # collective: verifies every file before anything is loaded
+        if found is None:  # "auto" and nothing committed yet: a fresh start
+            return
+        path, meta = found.path, found.manifest
+        assert meta is not None
+        if meta.world_size != self.env.world_size and not meta.state_dict["reshardable"]:
             raise ConfigurationError(
                 "ckpt_path",
-                f"{path} was written by {meta['strategy']!r} at world size {meta['world_size']} in a format it "
+                f"{path} was written by {meta.strategy!r} at world size {meta.world_size} in a format it "
                 f"declares not reshardable; this run has world size {self.env.world_size}",
-                f"resume at world size {meta['world_size']}",
+                f"resume at world size {meta.world_size}",
             )
         self.strategy.load_state(path / "state")
-        trainer_state = torch.load(path / "trainer.pt", weights_only=False)
+        trainer_state = checkpointer.read_trainer_state(path)
         self.progress = Progress.from_state(trainer_state["progress"])
         if self.lr_scheduler is not None and trainer_state["scheduler"] is not None:
             self.lr_scheduler.load_state_dict(trainer_state["scheduler"])
@@ -929,9 +955,9 @@ class Trainer:
             self.precision.load_state_dict(trainer_state["precision"])
         if self.data is not None:
             self.data.check_resume(trainer_state.get("data"))
-        rng_file = path / "rng" / f"rank-{self.env.rank:05d}.pt"
-        if rng_file.exists() and meta["world_size"] == self.env.world_size:
-            set_rng_state(torch.load(rng_file, weights_only=False))
+        rng = checkpointer.read_rng(path, self.env.rank) if meta.world_size == self.env.world_size else None
+        if rng is not None:
+            set_rng_state(rng)
         else:
             # Another world size: no saved RNG for this rank; derive one from
             # the seed and the step so the run stays deterministic.

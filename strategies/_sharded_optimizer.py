@@ -59,6 +59,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
+# Imported here, before any process group exists, on purpose: the module binds
+# ``group=dist.group.WORLD`` as a default argument when it is first imported, so
+# an import after init_process_group pins that group for the life of the
+# process and its gloo threads outlive destroy_process_group (see
+# unison.lifecycle.drain_collective_threads for what that costs at exit).
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
 from unison.errors import ConfigurationError
 from unison.ownership import AccumulationOwner, GradAccumulation, Ownership, StateDictDeclaration, StateDictKind
 from unison.strategy import OptimizerFactory
@@ -258,8 +265,6 @@ class TorchZeroStrategy(ReplicatedStrategy):
 
     def _sharded_optimizer(self, recipe: OptimizerRecipe) -> torch.optim.Optimizer:
         """The sharding optimizer over the recipe's class, defaults and groups."""
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         return ZeroRedundancyOptimizer(
             [dict(g) for g in recipe.param_groups], optimizer_class=recipe.shard_constructor(), **recipe.defaults
         )

@@ -1,0 +1,262 @@
+"""The life of a training process: joining the world, stop requests, and how it ends.
+
+* :func:`init_process_group` joins the world with a rendezvous timeout of
+  minutes (a peer that never arrives fails the start quickly), then gives the
+  group its longer collective timeout.
+* :class:`RunGuard` wraps ``Trainer.fit``. It turns SIGTERM and SIGUSR1 (what
+  schedulers send before they kill a job: Kubernetes, SLURM's ``--signal``)
+  into a *stop request* that the trainer honours at the next optimizer-step
+  boundary, and, under torchrun, records the exception that ended the run in
+  torchrun's error file so the launcher can name the first failure.
+* :class:`Preempted` is how ``fit`` ends after a stop request: a
+  ``SystemExit`` with :data:`PREEMPTED_EXIT_CODE`, raised once a checkpoint
+  is committed.
+
+Why the stop is agreed collectively: a scheduler may signal one rank (one
+node) only, or the ranks at different moments. Every rank all-reduces its
+flag at each step boundary, so all ranks stop after the same optimizer step
+and write one consistent checkpoint.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import warnings
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+
+#: Exit code of a run that stopped on request after committing a checkpoint
+#: (EX_TEMPFAIL: "temporary failure, try again"). Restart it with
+#: ``ckpt_path="auto"`` to continue exactly where it stopped.
+PREEMPTED_EXIT_CODE = 75
+
+#: Signals that request a stop at the next step boundary.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+#: Seconds to wait for every rank to join the process group
+#: (``UNISON_RENDEZVOUS_TIMEOUT`` overrides).
+RENDEZVOUS_TIMEOUT_S = 180.0
+#: Seconds a collective may wait for the other ranks once training runs
+#: (``UNISON_COLLECTIVE_TIMEOUT`` overrides); checkpoint writes happen inside it.
+COLLECTIVE_TIMEOUT_S = 600.0
+
+
+class Preempted(SystemExit):
+    """``fit`` stopped on a stop request after committing a checkpoint (exit code 75).
+
+    A ``SystemExit``, so a script that does not catch it exits with
+    :data:`PREEMPTED_EXIT_CODE` and no traceback, and ``except Exception``
+    does not swallow it.
+    """
+
+    def __init__(self, step: int, signal_name: str, checkpoint: str | None) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.step, self.signal_name, self.checkpoint = step, signal_name, checkpoint
+
+    def __str__(self) -> str:
+        where = f"checkpoint {self.checkpoint}" if self.checkpoint else "no checkpoint_dir, nothing saved"
+        return f"stopped by {self.signal_name} after step {self.step} ({where})"
+
+
+def _seconds(env: str, default: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(os.environ.get(env, default)))
+
+
+def init_process_group(backend: str) -> None:
+    """Join the world described by the ``env://`` variables.
+
+    The rendezvous (store connection and the backend's full mesh) gets
+    ``UNISON_RENDEZVOUS_TIMEOUT`` (default 180 s): a rank that is missing
+    fails the start within minutes instead of the process-group default of
+    10 to 30. The group then gets ``UNISON_COLLECTIVE_TIMEOUT`` (default
+    600 s) for collectives, which must outlast the slowest checkpoint write.
+    """
+    dist = torch.distributed
+    _warn_shared_store()
+    dist.init_process_group(backend, timeout=_seconds("UNISON_RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT_S))
+    dist.distributed_c10d._set_pg_timeout(_seconds("UNISON_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S))
+
+
+def _warn_shared_store() -> None:
+    """torchrun's shared rendezvous store breaks worker restarts; say so once, on rank 0.
+
+    With it, a restarted world reads the dead worker's address from the
+    previous attempt's keys and hangs or is refused. ``unison run`` and
+    ``unison train`` switch it off; plain ``torchrun`` needs
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
+    """
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and os.environ.get("RANK") == "0":
+        warnings.warn(
+            "torchrun runs with --max-restarts and its shared rendezvous store: a restarted world can hang or be "
+            "refused connecting to the dead worker's old address. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "(unison run and unison train do)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+class RunGuard:
+    """Context manager around one ``fit``: stop signals in, error report out.
+
+    Signal handlers are installed only in the main thread (Python allows no
+    other) and the previous ones are restored on exit. A second signal of
+    the same kind while a stop is pending goes to the previous handler
+    (by default: terminate now), so an impatient operator still wins.
+    """
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
+        self.signals = signals
+        self.received: str | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    # -- stop requests -------------------------------------------------------- #
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        sig = signal.Signals(signum)
+        if self.received is not None:
+            previous = self._previous.get(sig, signal.SIG_DFL)
+            signal.signal(sig, previous)
+            if callable(previous):
+                previous(signum, frame)
+            else:
+                os.kill(os.getpid(), signum)
+            return
+        self.received = sig.name
+
+    def request_stop(self, reason: str = "request") -> None:
+        """Ask for a stop at the next step boundary, as a signal would."""
+        self.received = self.received or reason
+
+    def preempt(self, trainer: Any, reason: str) -> None:
+        """On every rank, once the trainer agreed on a stop request: commit a checkpoint, raise :class:`Preempted`.
+
+        Called at an optimizer-step boundary by the trainer (which agrees on
+        the request with one all-reduce shared with ``should_stop``). The
+        checkpoint is written only with a ``checkpoint_dir`` and only when this
+        step is not committed already (a periodic save just did it).
+        """
+        checkpointer = trainer.checkpointer
+        path = None
+        if checkpointer is not None:
+            if checkpointer.last_step != trainer.global_step:
+                trainer.save_checkpoint()
+            path = checkpointer.latest()
+        stop = Preempted(trainer.global_step, reason, str(path) if path else None)
+        if trainer.is_global_zero:
+            print(f"unison: {stop}; exiting with code {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
+        raise stop
+
+    # -- context -------------------------------------------------------------- #
+    def __enter__(self) -> "RunGuard":
+        _register_exit_drain()
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+        if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+            record_error(exc)
+
+
+def record_error(exc: BaseException) -> None:
+    """Write ``exc`` to torchrun's error file for this worker (when there is one).
+
+    torchrun then knows each failed worker's exception, and ``unison run``
+    reports the first one instead of every rank's fallout. The format is
+    torchrun's own (``ErrorHandler.record_exception``) plus ``unison_time``, a
+    sub-second timestamp: torchrun's whole seconds cannot order a rank's
+    error before the "connection closed" it causes on the others.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    data = {
+        "message": {
+            "message": f"{type(exc).__name__}: {exc}",
+            "extraInfo": {
+                "py_callstack": "".join(traceback.format_exception(exc)),
+                "timestamp": str(int(now)),
+                "unison_time": now,
+            },
+        }
+    }
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # reporting must never mask the real error
+        pass
+
+
+# --------------------------------------------------------------------------- #
+# A clean end of the process
+# --------------------------------------------------------------------------- #
+_drain_registered = False
+
+
+def _register_exit_drain() -> None:
+    global _drain_registered
+    if not _drain_registered:
+        atexit.register(drain_collective_threads)
+        _drain_registered = True
+
+
+def _gloo_worker_threads() -> int:
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return -1  # cannot tell: drain anyway
+    count = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().startswith("pt_gloo")
+        except OSError:
+            continue
+    return count
+
+
+def drain_collective_threads() -> None:
+    """At interpreter exit: let gloo's worker threads finish with Python before it shuts down.
+
+    Why (measured; the cause of ``terminate called without an active
+    exception`` and SIGABRT in a rank of a run that had finished): a gloo
+    worker thread releases the work object of the last collective it ran
+    after the caller has already moved on; if that work holds the last
+    reference to a tensor that Python created, releasing it needs the GIL.
+    When the main thread reaches interpreter finalization first, the worker's
+    ``take_gil`` ends its thread with a forced unwind through a ``noexcept``
+    destructor, and ``std::terminate`` aborts the process. It happens only for
+    process groups that outlive ``destroy_process_group`` because something
+    still references them (a ``ZeroRedundancyOptimizer`` default argument,
+    DeepSpeed's group registry, FSDP state inside the user's module, DTensor's
+    planner cache); a group whose last reference goes away in
+    ``destroy_process_group`` joins its threads there, while Python is alive.
+
+    This handler runs before finalization (``atexit``) and hands the GIL over
+    until every such waiting thread had it: a short sleep lets a waiter take
+    it, and CPython's forced switching makes a busy holder yield to any thread
+    that has waited a switch interval. Only runs when gloo threads exist.
+    """
+    if _gloo_worker_threads() == 0:
+        return
+    interval = sys.getswitchinterval()
+    for _ in range(4):
+        time.sleep(interval)  # a thread waiting for the GIL takes it now
+        end = time.monotonic() + 2 * interval
+        while time.monotonic() < end:  # holding it, the main thread must hand it to a thread that waited
+            pass
