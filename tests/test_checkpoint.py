@@ -70,5 +70,6 @@ def test_single_resume_is_bitwise(tmp_path):
 
 def test_resume_from_a_path_that_is_not_a_checkpoint(tmp_path):
     trainer = unison.Trainer(strategy="single", global_batch_size=16, max_steps=2)
-    with pytest.raises(FileNotFoundError, match="not a committed unison checkpoint"):
+    with pytest.raises(unison.ConfigurationError, match="ckpt_path: .* is not a committed unison checkpoint"):
         fit(trainer, ckpt_path=str(tmp_path))
+    assert not trainer.setup_started

@@ -92,9 +92,11 @@ def test_pruning_with_higher_numbered_checkpoints_present_keeps_the_new_one_and_
 
 def test_keep_one_never_deletes_what_was_just_committed(tmp_path):
     run(tmp_path, max_steps=6, checkpoint_every_n_steps=3, keep_last_n_checkpoints=1)
-    run(tmp_path, max_steps=4, checkpoint_every_n_steps=1, keep_last_n_checkpoints=1, ckpt_path="auto")
-    # auto resumed at step 6 (>= max_steps 4): nothing trained, nothing re-saved.
-    assert names(tmp_path) == ["step-00000006"] and latest(tmp_path) == "step-00000006"
+    # auto would resume at step 6, beyond max_steps 4: refused before anything runs, nothing touched.
+    with pytest.raises(unison.ConfigurationError, match="beyond max_steps=4"):
+        run(tmp_path, max_steps=4, checkpoint_every_n_steps=1, keep_last_n_checkpoints=1, ckpt_path="auto")
+    run(tmp_path, max_steps=8, checkpoint_every_n_steps=1, keep_last_n_checkpoints=1, ckpt_path="auto")
+    assert names(tmp_path) == ["step-00000008"] and latest(tmp_path) == "step-00000008"
 
 
 class CrashAfterCommit(Checkpointer):
@@ -155,7 +157,7 @@ def test_auto_starts_fresh_then_resumes_bitwise(tmp_path):
 
 
 def test_last_needs_a_committed_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+    with pytest.raises(unison.ConfigurationError, match="ckpt_path.*'last' but .* holds no committed checkpoint.*'auto'"):
         run(tmp_path, max_steps=2, ckpt_path="last")
 
 

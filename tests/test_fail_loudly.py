@@ -149,6 +149,40 @@ def test_an_empty_validation_set():
     _refused(r"val_dataset: the validation dataset is empty", val_dataset=[])
 
 
+def test_an_unwritable_checkpoint_dir_is_refused_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    trainer = unison.Trainer(global_batch_size=16, max_steps=2, checkpoint_dir=str(blocker / "ckpt"))
+    with pytest.raises(unison.ConfigurationError, match=r"checkpoint_dir.*cannot be written") as info:
+        _fit(trainer)
+    assert not trainer.setup_started and "choose a directory" in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["missing", "not-a-checkpoint"])
+def test_a_ckpt_path_pointing_nowhere_is_refused_before_setup(tmp_path, where):
+    path = tmp_path / where
+    if where == "not-a-checkpoint":
+        path.mkdir()
+    for checkpoint_dir in (None, str(tmp_path / "ckpt")):
+        trainer = unison.Trainer(global_batch_size=16, max_steps=2, checkpoint_dir=checkpoint_dir)
+        with pytest.raises(unison.ConfigurationError, match=r"ckpt_path.*(does not exist|no manifest\.json)"):
+            _fit(trainer, ckpt_path=str(path))
+        assert not trainer.setup_started
+
+
+@pytest.mark.parametrize("how", ["path", "auto", "last"])
+def test_max_steps_below_the_resumed_step_is_refused_before_setup(tmp_path, how):
+    _fit(unison.Trainer(global_batch_size=16, max_steps=3, checkpoint_dir=str(tmp_path)))
+    ckpt_path = str(tmp_path / "step-00000003") if how == "path" else how
+    trainer = unison.Trainer(global_batch_size=16, max_steps=2, checkpoint_dir=str(tmp_path))
+    with pytest.raises(unison.ConfigurationError, match=r"max_steps.*resumes at step 3, beyond max_steps=2"):
+        _fit(trainer, ckpt_path=ckpt_path)
+    assert not trainer.setup_started
+    # at max_steps it resumes and has nothing left to do
+    done = unison.Trainer(global_batch_size=16, max_steps=3, checkpoint_dir=str(tmp_path))
+    assert _fit(done, ckpt_path=ckpt_path).global_step == 3
+
+
 def test_cuda_on_a_build_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")

@@ -186,3 +186,24 @@ def test_a_missing_rank_fails_the_start_within_the_rendezvous_timeout(tmp_path):
     assert proc.returncode != 0
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-2000:]
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_during_a_save_is_an_interrupt_and_the_previous_checkpoint_verifies(tmp_path):
+    """SIGINT while DCP writes: the process ends as interrupted (the shell's 130), not as a failed save."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "state.pt"
+    args = [sys.executable, SCRIPT, "--strategy", "single", "--steps", "3", "--hidden", "2048", "--layers", "3",
+            "--ckpt", str(ckpt), "--out", str(out)]
+    proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    writing = ckpt / ".step-00000002.partial" / "state"
+    deadline = time.monotonic() + 240
+    while not writing.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert writing.parent.exists(), "the job was not interrupted while saving"
+    # Python ends an uncaught KeyboardInterrupt by SIGINT itself: the shell reports 130.
+    assert proc.returncode == -signal.SIGINT, stderr[-3000:]
+    assert "KeyboardInterrupt" in stderr and "CheckpointException" not in stderr
+    assert Checkpointer(ckpt).latest() == ckpt / "step-00000001"
+    verify(LocalStorage(), ckpt / "step-00000001")
