@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+
 def _run_dcp(fn: Any, state: dict[str, Any], directory: Path) -> None:
     with warnings.catch_warnings():
         # DCP warns on every single-process call that it assumes no process

@@ -17,7 +17,7 @@ class AllReduceCounter:
         self.count = 0
         self._orig = torch.distributed.all_reduce
 
-    def __enter__(self) -> "AllReduceCounter":
+    def __enter__(self) -> AllReduceCounter:
         def counting(*args: Any, **kwargs: Any) -> Any:
             self.count += 1
             return self._orig(*args, **kwargs)
