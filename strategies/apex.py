@@ -71,8 +71,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 import pydantic
 import torch
@@ -222,8 +223,13 @@ def _scalar(value: Any) -> float:
 
 def _adam_options(values: dict[str, Any], bias_correction: bool) -> dict[str, Any]:
     beta1, beta2 = values["betas"]
-    return {"lr": _scalar(values["lr"]), "betas": (_scalar(beta1), _scalar(beta2)), "eps": _scalar(values["eps"]),
-            "weight_decay": _scalar(values["weight_decay"]), "bias_correction": bias_correction}
+    return {
+        "lr": _scalar(values["lr"]),
+        "betas": (_scalar(beta1), _scalar(beta2)),
+        "eps": _scalar(values["eps"]),
+        "weight_decay": _scalar(values["weight_decay"]),
+        "bias_correction": bias_correction,
+    }
 
 
 def adam_hyperparameters(
@@ -248,17 +254,22 @@ def adam_hyperparameters(
         decoupled = isinstance(optimizer, torch.optim.AdamW)
         modes = {bool(g.get("decoupled_weight_decay", decoupled)) for g in optimizer.param_groups}
         for i, group in enumerate(optimizer.param_groups):
-            for option, why in (("amsgrad", "DistributedFusedAdam has no AMSGrad variant"),
-                                ("maximize", "DistributedFusedAdam only minimises")):
+            for option, why in (
+                ("amsgrad", "DistributedFusedAdam has no AMSGrad variant"),
+                ("maximize", "DistributedFusedAdam only minimises"),
+            ):
                 if group.get(option):
                     raise ConfigurationError(
-                        "optimizer", f"strategy {strategy!r}: parameter group {i} of {name} sets {option}=True, but "
-                        f"{why}", f"drop {option}=True, or pick another strategy",
+                        "optimizer",
+                        f"strategy {strategy!r}: parameter group {i} of {name} sets {option}=True, but {why}",
+                        f"drop {option}=True, or pick another strategy",
                     )
         if len(modes) > 1:
             raise ConfigurationError(
-                "optimizer", f"strategy {strategy!r}: {name}'s parameter groups mix decoupled and L2 weight decay, but "
-                "DistributedFusedAdam has one adam_w_mode for all groups", "use one weight-decay mode for every group",
+                "optimizer",
+                f"strategy {strategy!r}: {name}'s parameter groups mix decoupled and L2 weight decay, but "
+                "DistributedFusedAdam has one adam_w_mode for all groups",
+                "use one weight-decay mode for every group",
             )
         adam_w_mode = modes.pop()
         # torch's Adam always corrects the bias.
@@ -299,8 +310,9 @@ class _UnscaleThroughOptimizer(torch.amp.GradScaler):
     rest of GradScaler's bookkeeping (stages, ``update``).
     """
 
-    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+    def _unscale_grads_(
+        self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
         return optimizer.unscale_grads(inv_scale=inv_scale)
 
 
@@ -318,9 +330,14 @@ class DistributedFusedAdamStrategy(Strategy):
     @property
     def ownership(self) -> Ownership:
         size = self.options.distributed_size
-        world_sizes = WorldSizes() if size is None else WorldSizes(
-            minimum=size, multiple_of=size,
-            reason=f"distributed_size={size} shards the optimizer over groups of {size} ranks",
+        world_sizes = (
+            WorldSizes()
+            if size is None
+            else WorldSizes(
+                minimum=size,
+                multiple_of=size,
+                reason=f"distributed_size={size} shards the optimizer over groups of {size} ranks",
+            )
         )
         return Ownership(
             grad_accumulation=GradAccumulation(
@@ -359,8 +376,9 @@ class DistributedFusedAdamStrategy(Strategy):
         adam_hyperparameters(optimizer, strategy=self.name)
 
     # -- setup -------------------------------------------------------------------- #
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any,
-              settings: Any) -> None:
+    def setup(
+        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+    ) -> None:
         env = self.env
         assert env is not None
         module = module.to(env.device)
@@ -427,7 +445,7 @@ class DistributedFusedAdamStrategy(Strategy):
         return distributed, redundant
 
     # -- hot path ------------------------------------------------------------------ #
-    def no_sync(self) -> ContextManager[Any]:
+    def no_sync(self) -> AbstractContextManager[Any]:
         assert self.optimizer is not None
         return self.optimizer.no_sync()  # type: ignore[attr-defined]  # DistributedFusedAdam's own
 
@@ -464,8 +482,10 @@ class DistributedFusedAdamStrategy(Strategy):
         """
         assert self._recipe is not None and self.optimizer is not None
         groups = [
-            {**{k: v for k, v in live.items() if k not in ("params", "bias_correction")},
-             "params": list(user["params"])}
+            {
+                **{k: v for k, v in live.items() if k not in ("params", "bias_correction")},
+                "params": list(user["params"]),
+            }
             for user, live in zip(self._recipe.param_groups, self.optimizer.param_groups)
         ]
         return _shadow_class(self._adam_w_mode)(groups)
@@ -479,8 +499,11 @@ class DistributedFusedAdamStrategy(Strategy):
         step = torch.tensor(float(full["state"]["step"]))
         for index, param in enumerate(params):
             saved = full["state"][index]
-            shadow.state[param] = {"step": step.clone(), "exp_avg": saved["exp_avg"].to(param.device),
-                                   "exp_avg_sq": saved["exp_avg_sq"].to(param.device)}
+            shadow.state[param] = {
+                "step": step.clone(),
+                "exp_avg": saved["exp_avg"].to(param.device),
+                "exp_avg_sq": saved["exp_avg_sq"].to(param.device),
+            }
         state = {"model": get_model_state_dict(self.module), "optim": get_optimizer_state_dict(self.module, shadow)}
         dcp.save(state, checkpoint_id=str(directory))
 
@@ -520,8 +543,9 @@ class DistributedFusedAdamStrategy(Strategy):
             # scheduler added (initial_lr ...) come along; the shadow class's own
             # flags (amsgrad, foreach ...) do not.
             values = {k: v for k, v in live.items() if k != "params"}
-            values.update({k: v for k, v in loaded.items()
-                           if k != "params" and (k in values or k not in shadow.defaults)})
+            values.update(
+                {k: v for k, v in loaded.items() if k != "params" and (k in values or k not in shadow.defaults)}
+            )
             groups.append({**values, "params": ids})
         # DistributedFusedAdam counts steps once for all parameters; torch's Adam per parameter.
         state["step"] = max(steps, default=0)

@@ -23,18 +23,24 @@ def gradient_allreduces(accumulate: int, *, broken_no_sync: bool = False, steps:
     """
     import contextlib
 
-    import unison
     from torch.profiler import ProfilerActivity, profile
+
+    import unison
 
     from helpers import mlp
 
-    trainer = unison.Trainer(strategy="ddp", accumulate_grad_batches=accumulate, global_batch_size=32,
-                             max_steps=steps, grad_clip_norm=0.5)
+    trainer = unison.Trainer(
+        strategy="ddp", accumulate_grad_batches=accumulate, global_batch_size=32, max_steps=steps, grad_clip_norm=0.5
+    )
     if broken_no_sync:
         trainer.strategy.no_sync = contextlib.nullcontext
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        trainer.fit(mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
-                    optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+        trainer.fit(
+            mlp(),
+            regression_data(),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        )
     return sum(1 for e in prof.events() if e.name == "c10d::allreduce_")
 
 
@@ -64,6 +70,8 @@ def ddp_scenarios() -> dict[str, Any]:
     # of accumulation 4 equal those of accumulation 1, and a no_sync that
     # defers nothing adds one per extra micro-step.
     out["allreduce_counts"] = {
-        1: gradient_allreduces(1), 4: gradient_allreduces(4), "broken": gradient_allreduces(4, broken_no_sync=True),
+        1: gradient_allreduces(1),
+        4: gradient_allreduces(4),
+        "broken": gradient_allreduces(4, broken_no_sync=True),
     }
     return out

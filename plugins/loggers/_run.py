@@ -23,15 +23,29 @@ import re
 import sys
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 RUN_FILE = "run.json"
 _VERSION = re.compile(r"version_(\d+)")
 #: Distributions whose versions are recorded when installed (read from metadata, never imported).
-_PACKAGES = ("unison", "torch", "pluggy", "pydantic", "numpy", "deepspeed", "fairscale", "apex", "transformers",
-             "datasets", "tensorboard", "mlflow", "wandb", "rich")
+_PACKAGES = (
+    "unison",
+    "torch",
+    "pluggy",
+    "pydantic",
+    "numpy",
+    "deepspeed",
+    "fairscale",
+    "apex",
+    "transformers",
+    "datasets",
+    "tensorboard",
+    "mlflow",
+    "wandb",
+    "rich",
+)
 
 
 class RunDirectory:
@@ -44,7 +58,7 @@ class RunDirectory:
     object per root within a process.
     """
 
-    _shared: "weakref.WeakValueDictionary[Path, RunDirectory]" = weakref.WeakValueDictionary()
+    _shared: ClassVar[weakref.WeakValueDictionary[Path, RunDirectory]] = weakref.WeakValueDictionary()
 
     def __init__(self, root: str | os.PathLike[str], config: dict[str, Any] | None = None) -> None:
         self.root = Path(root)
@@ -55,7 +69,7 @@ class RunDirectory:
         self._users = 0
 
     @classmethod
-    def get(cls, root: "str | os.PathLike[str] | RunDirectory") -> "RunDirectory":
+    def get(cls, root: str | os.PathLike[str] | RunDirectory) -> RunDirectory:
         """The process-wide :class:`RunDirectory` for ``root`` (``root`` itself when it is one)."""
         if isinstance(root, RunDirectory):
             return root

@@ -196,9 +196,9 @@ def forget_process_groups() -> None:
 
 
 __all__ = [
-    "forget_process_groups",
     "VERIFIED_VERSION",
     "Fragment",
+    "forget_process_groups",
     "fp32_partitions",
     "fragment",
     "fragment_group",
