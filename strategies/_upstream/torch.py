@@ -7,6 +7,9 @@
   per-device overflow flags exist before ``step()`` reads them), ``_lazy_init_scale_growth_tracker``,
   ``_enabled``, ``_scale``, ``_device``. :class:`FlagReducingGradScaler` exposes them as
   two public methods, so strategies override those instead.
+* ``Optimizer._optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks``: the step
+  hooks a user registered on an optimizer, moved to the optimizer that really steps
+  (:func:`copy_step_hooks`). torch has ``register_step_*_hook`` but no getter.
 """
 
 from __future__ import annotations
@@ -79,4 +82,21 @@ class FlagReducingGradScaler(torch.amp.GradScaler):
         return self.combine_found_inf(per_device, found_inf)
 
 
-__all__ = ["VERIFIED_VERSION", "FlagReducingGradScaler", "flatten_dense_tensors", "unflatten_dense_tensors"]
+def copy_step_hooks(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
+    """Register every step pre/post hook of ``source`` on ``target`` too (same order)."""
+    _check()
+    # PRIVATE Optimizer._optimizer_step_pre_hooks/_post_hooks: the OrderedDicts that
+    # register_step_pre_hook/register_step_post_hook fill; there is no public getter.
+    for hook in source._optimizer_step_pre_hooks.values():
+        target.register_step_pre_hook(hook)
+    for hook in source._optimizer_step_post_hooks.values():
+        target.register_step_post_hook(hook)
+
+
+__all__ = [
+    "VERIFIED_VERSION",
+    "FlagReducingGradScaler",
+    "copy_step_hooks",
+    "flatten_dense_tensors",
+    "unflatten_dense_tensors",
+]
