@@ -9,6 +9,10 @@ README) and ``apex.contrib.optimizers.distributed_fused_adam.DistributedFusedAda
 a ZeRO-2 style optimizer that owns gradient synchronisation. This module
 registers the latter as a strategy.
 
+(Why one file above 400 lines: one strategy, whose optimizer owns gradient
+sync, clipping and sharded state; about half of the file is this docstring's
+ownership table and the conversion between its buckets and canonical state.)
+
 Who owns what
 -------------
 There is no module wrapper: the optimizer hooks each parameter's gradient
@@ -103,6 +107,8 @@ from unison.plugin import hookimpl
 from unison.registry import StrategySpec
 from unison.settings import TrainerSettings
 from unison.state import canonical
+from unison.strategies._upstream.apex import release_grad_accumulators
+from unison.strategies._upstream.torch import copy_step_hooks
 from unison.strategy import OptimizerFactory, Strategy
 
 #: The apex commit whose source this module was written against.
@@ -418,10 +424,7 @@ class DistributedFusedAdamStrategy(Strategy):
         # which keeps the reduce-scatter overlapped with it.
         optimizer.init_params(list(reversed([p for group in groups for p in group["params"]])))
         # Step hooks the user registered on the factory's optimizer fire on the one that steps.
-        for hook in recipe._optimizer_step_pre_hooks.values():
-            optimizer.register_step_pre_hook(hook)
-        for hook in recipe._optimizer_step_post_hooks.values():
-            optimizer.register_step_post_hook(hook)
+        copy_step_hooks(recipe, optimizer)
         self._recipe = recipe
         self.optimizer = optimizer
 
@@ -568,9 +571,7 @@ class DistributedFusedAdamStrategy(Strategy):
         # DistributedFusedAdam's hooks live on the parameters' gradient
         # accumulators, kept alive by its _grad_accs list: release them, or the
         # module would keep sending its gradients to a dead optimizer.
-        grad_accs = getattr(self.optimizer, "_grad_accs", None)
-        if isinstance(grad_accs, list):
-            grad_accs.clear()
+        release_grad_accumulators(self.optimizer)
         self._recipe = None
         super().teardown()
 

@@ -6,6 +6,10 @@ on non-boundary micro-steps the trainer enters :meth:`no_sync`, which turns the
 per-step reduce-scatter off, so gradients are reduced once per optimizer step,
 exactly like ``ddp`` with ``no_sync()``.
 
+(Why one file above 400 lines: the two strategies share every decision below
+and most of their code, the sharding-unit choice, precision policies and state
+handling; split, each half would import the other's internals.)
+
 Decisions shared by both:
 
 * **Which submodules become their own sharding unit.** ``shard_module_classes``

@@ -209,10 +209,11 @@ def test_missing_logger_package_fails_before_any_worker_starts(tmp_path):
 
 
 def test_two_runs_of_the_example_make_two_complete_run_directories(tmp_path):
+    """A run and its resumed continuation: each gets its own run directory, never appending to the other's."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for _ in range(2):
+    for extra in (["--max-steps", "20"], ["--max-steps", "40", "--resume", "auto"]):
         out = subprocess.run(
-            [sys.executable, "-m", "unison.cli", "train", str(ROOT / "examples" / "tinylm.toml"), "--max-steps", "20"],
+            [sys.executable, "-m", "unison.cli", "train", str(ROOT / "examples" / "tinylm.toml"), *extra],
             cwd=tmp_path,
             env=env,
             capture_output=True,
@@ -222,16 +223,16 @@ def test_two_runs_of_the_example_make_two_complete_run_directories(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
     root = tmp_path / "runs" / "tinylm"
     assert sorted(p.name for p in root.glob("version_*")) == ["version_0", "version_1"]
-    for version in ("version_0", "version_1"):
+    for version, steps in (("version_0", [10, 20]), ("version_1", [30, 40])):
         run = root / version
         jsonl, csv, tb = jsonl_metrics(run), csv_metrics(run), tensorboard_metrics(run)
-        # log_every_n_steps = 10 in the example; validation at the end (step 20)
-        assert sorted(jsonl) == sorted(csv) == sorted(tb) == [10, 20]
+        # log_every_n_steps = 10 in the example; validation at the end; the second run resumed at step 20
+        assert sorted(jsonl) == sorted(csv) == sorted(tb) == steps
         same(csv, jsonl)
         same(tb, jsonl)
-        assert {"train/loss", "val/loss", "perf/tokens_per_s"} <= set(jsonl[20])
+        assert {"train/loss", "val/loss", "perf/tokens_per_s"} <= set(jsonl[steps[-1]])
         meta = json.loads((run / "run.json").read_text())
-        assert meta["config"]["trainer"]["max_steps"] == 20 and meta["config"]["logging"]["dir"] == "runs/tinylm"
+        assert meta["config"]["trainer"]["max_steps"] == steps[-1] and meta["config"]["logging"]["dir"] == "runs/tinylm"
 
 
 def test_trainer_log_from_training_step_reaches_the_loggers_at_logging_steps(tmp_path):

@@ -10,6 +10,9 @@
 * ``PipelineStage._forward_metadata_inference``: the pipeline stage's one-time shape
   inference, wrapped by :func:`buffer_keeping_pipeline_stage` so that it leaves buffers as
   they were.
+* ``Optimizer._optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks``: the step
+  hooks a user registered on an optimizer, moved to the optimizer that really steps
+  (:func:`copy_step_hooks`). torch has ``register_step_*_hook`` but no getter.
 """
 
 from __future__ import annotations
@@ -123,10 +126,22 @@ def buffer_keeping_pipeline_stage() -> type:
     return BufferKeepingStage
 
 
+def copy_step_hooks(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
+    """Register every step pre/post hook of ``source`` on ``target`` too (same order)."""
+    _check()
+    # PRIVATE Optimizer._optimizer_step_pre_hooks/_post_hooks: the OrderedDicts that
+    # register_step_pre_hook/register_step_post_hook fill; there is no public getter.
+    for hook in source._optimizer_step_pre_hooks.values():
+        target.register_step_pre_hook(hook)
+    for hook in source._optimizer_step_post_hooks.values():
+        target.register_step_post_hook(hook)
+
+
 __all__ = [
     "VERIFIED_VERSION",
     "FlagReducingGradScaler",
     "buffer_keeping_pipeline_stage",
+    "copy_step_hooks",
     "flatten_dense_tensors",
     "unflatten_dense_tensors",
 ]
