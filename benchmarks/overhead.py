@@ -20,8 +20,9 @@ from unison.data import BatchPlan, collate
 
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256),
-                               torch.nn.GELU(), torch.nn.Linear(256, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 1)
+    )
 
 
 def data() -> TensorDataset:
@@ -46,11 +47,18 @@ def hand_loop(steps: int, accumulate: int, batch: int) -> float:
 
 
 def unison_loop(steps: int, accumulate: int, batch: int) -> float:
-    trainer = unison.Trainer(strategy="single", max_steps=steps, accumulate_grad_batches=accumulate,
-                             global_batch_size=batch, grad_clip_norm=1.0, log_every_n_steps=10**9)
+    trainer = unison.Trainer(
+        strategy="single",
+        max_steps=steps,
+        accumulate_grad_batches=accumulate,
+        global_batch_size=batch,
+        grad_clip_norm=1.0,
+        log_every_n_steps=10**9,
+    )
     start = time.perf_counter()
-    trainer.fit(model(), data(), loss_fn=torch.nn.functional.mse_loss,
-                optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))
+    trainer.fit(
+        model(), data(), loss_fn=torch.nn.functional.mse_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)
+    )
     return time.perf_counter() - start
 
 

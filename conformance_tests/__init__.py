@@ -14,7 +14,9 @@ or from Python::
 Modules: :mod:`~unison.conformance.scenarios` (what is trained),
 :mod:`~unison.conformance.runner` (one world per strategy, the reference in
 this process, traces), :mod:`~unison.conformance.compare` (tolerances and
-checks), :mod:`~unison.conformance.report` (table, JSON, HTML),
+checks, declared refusals), :mod:`~unison.conformance.diagnose` (the likely
+broken rule of a failed scenario), :mod:`~unison.conformance.report`
+(certificates, table, JSON, HTML from a template with SVG plots),
 :mod:`~unison.conformance.cli` and :mod:`~unison.conformance.pytest_plugin`
 (entry points).
 
@@ -39,6 +41,9 @@ _EXPORTS = {
     "Verdict": "unison.conformance.compare",
     "Divergence": "unison.conformance.compare",
     "TOLERANCES": "unison.conformance.compare",
+    "Diagnosis": "unison.conformance.diagnose",
+    "diagnose": "unison.conformance.diagnose",
+    "Certificate": "unison.conformance.report",
     "SCENARIOS": "unison.conformance.scenarios",
     "Scenario": "unison.conformance.scenarios",
 }

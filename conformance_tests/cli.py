@@ -9,11 +9,18 @@ Example::
 
     unison conformance --strategy ddp,fsdp --world-size 2 --report ./conformance-report
 
-Exit status: 0 when every strategy that claims conformance passed every
-scenario it supports; 1 when any such scenario failed. Strategies unavailable
-here are reported as skipped, declared-unsupported scenarios as unsupported,
-and failures of strategies whose ownership declares them non-conformant are
-shown but do not change the exit status.
+The first lines printed are the certificates: ``certified`` (it ran, no
+scenario failed, at least one training scenario was proven) or ``not certified``
+with the reason.
+
+Exit status: 0 when no strategy that claims conformance failed a scenario; 1
+when any such scenario failed. A refusal counts only when the strategy's
+declaration refuses something the scenario needs ("declared out"); any other
+refusal is a failure. Strategies unavailable here are reported as skipped, and
+failures of strategies whose ownership declares them non-conformant are shown
+but do not change the exit status. ``--require-certified`` also exits 1 when a
+strategy that ran is not certified (e.g. nothing proven: every scenario
+declared out).
 """
 
 from __future__ import annotations
@@ -38,22 +45,59 @@ def _command() -> Any:
     import click
 
     @click.command("conformance")
-    @click.option("--strategy", "strategies", multiple=True, required=True,
-                  help="Strategy name(s) to certify, comma-separated or repeated; 'all' for every registered one.")
-    @click.option("--world-size", type=click.IntRange(1), default=2, show_default=True,
-                  help="Ranks of each strategy's world.")
-    @click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None,
-                  help="Write report.json and report.html into this directory.")
-    @click.option("--scenario", "scenarios", multiple=True,
-                  help="Only these scenarios (comma-separated or repeated); all by default.")
-    @click.option("--plugin", "plugins", multiple=True,
-                  help="Import and register these modules as plugins (third-party strategies not installed).")
-    @click.option("--timeout", type=float, default=300.0, show_default=True,
-                  help="Seconds one world may take before it is killed.")
-    def conformance(strategies: tuple[str, ...], world_size: int, report_dir: str | None,
-                    scenarios: tuple[str, ...], plugins: tuple[str, ...], timeout: float) -> None:
+    @click.option(
+        "--strategy",
+        "strategies",
+        multiple=True,
+        required=True,
+        help="Strategy name(s) to certify, comma-separated or repeated; 'all' for every registered one.",
+    )
+    @click.option(
+        "--world-size", type=click.IntRange(1), default=2, show_default=True, help="Ranks of each strategy's world."
+    )
+    @click.option(
+        "--report",
+        "report_dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        help="Write report.json and report.html into this directory.",
+    )
+    @click.option(
+        "--scenario",
+        "scenarios",
+        multiple=True,
+        help="Only these scenarios (comma-separated or repeated); all by default.",
+    )
+    @click.option(
+        "--plugin",
+        "plugins",
+        multiple=True,
+        help="Import and register these modules as plugins (third-party strategies not installed).",
+    )
+    @click.option(
+        "--timeout",
+        type=float,
+        default=300.0,
+        show_default=True,
+        help="Seconds one world may take before it is killed.",
+    )
+    @click.option(
+        "--require-certified",
+        is_flag=True,
+        help="Exit 1 unless every strategy that ran is certified (not only when one failed).",
+    )
+    def conformance(
+        strategies: tuple[str, ...],
+        world_size: int,
+        report_dir: str | None,
+        scenarios: tuple[str, ...],
+        plugins: tuple[str, ...],
+        timeout: float,
+        require_certified: bool,
+    ) -> None:
         """Run the conformance suite: each strategy against the single-process reference."""
         from rich.console import Console
+
         from unison.conformance.report import certify
 
         # One thread per rank: the ranks of a world share this machine's cores.
@@ -67,8 +111,12 @@ def _command() -> Any:
             names = [s.name for s in PluginManager(plugins=_load(plugins)).strategies.specs() if s.name != "single"]
         try:
             report = certify(
-                names, world_size=world_size, scenarios=_split(scenarios) or None,
-                plugins=_split(plugins), report_dir=report_dir, timeout=timeout,
+                names,
+                world_size=world_size,
+                scenarios=_split(scenarios) or None,
+                plugins=_split(plugins),
+                report_dir=report_dir,
+                timeout=timeout,
             )
         except KeyError as exc:  # an unknown scenario name
             raise click.BadParameter(str(exc.args[0]), param_hint="--scenario") from None
@@ -79,7 +127,13 @@ def _command() -> Any:
         report.print_table(console)
         if report_dir:
             console.print(f"report: {os.path.join(report_dir, 'report.html')} and report.json")
-        raise SystemExit(report.exit_code)
+        code = report.exit_code
+        if require_certified:
+            uncertified = [c.strategy for c in report.certificates() if not c.certified and c.skipped is None]
+            if uncertified:
+                console.print(f"[red]not certified: {', '.join(uncertified)}[/red]")
+                code = 1
+        raise SystemExit(code)
 
     return conformance
 

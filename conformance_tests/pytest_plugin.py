@@ -12,9 +12,10 @@ is unnecessary. A strategy not installed as an entry point can be named with
 ``--unison-plugin module`` (or ``UNISON_PLUGINS=module``).
 
 Outcomes: a passing scenario passes; a failing one fails with every divergence
-(scenario, run, quantity, step, expected, got); a scenario the strategy
-declares unsupported, or a strategy unavailable on the machine, is *skipped*
-with the reason (never passed); a strategy whose ownership declares it
+(scenario, run, quantity, step, expected, got) and the likely broken rule; a
+scenario the strategy refused and declares refused ("declared out"), or a
+strategy unavailable on the machine, is *skipped* with the reason (never
+passed); a strategy whose ownership declares it
 non-conformant is still run, and its failures are reported as ``xfail`` with
 the divergence as the reason.
 
@@ -35,13 +36,24 @@ _STASH_KEY = pytest.StashKey["ConformanceSession"]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("unison-conformance", "unison strategy conformance suite")
-    group.addoption("--unison-strategy", action="append", default=[], metavar="NAME",
-                    help="strategy to certify (repeat or comma-separate)")
+    group.addoption(
+        "--unison-strategy",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="strategy to certify (repeat or comma-separate)",
+    )
     group.addoption("--unison-world-size", type=int, default=2, metavar="N", help="ranks per strategy world")
-    group.addoption("--unison-scenario", action="append", default=[], metavar="NAME",
-                    help="only these scenarios (default: all)")
-    group.addoption("--unison-plugin", action="append", default=[], metavar="MODULE",
-                    help="register these modules as unison plugins (strategies not installed)")
+    group.addoption(
+        "--unison-scenario", action="append", default=[], metavar="NAME", help="only these scenarios (default: all)"
+    )
+    group.addoption(
+        "--unison-plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="register these modules as unison plugins (strategies not installed)",
+    )
     group.addoption("--unison-report", default=None, metavar="DIR", help="write report.json and report.html here")
     group.addoption("--unison-timeout", type=float, default=300.0, metavar="S", help="seconds per world")
 
@@ -71,8 +83,9 @@ class ConformanceSession:
             from unison.conformance.runner import Suite
 
             os.environ.setdefault("OMP_NUM_THREADS", "1")
-            self._suite = Suite(world_size=self.world_size, scenarios=self.scenario_names, plugins=self.plugins,
-                                timeout=self.timeout)
+            self._suite = Suite(
+                world_size=self.world_size, scenarios=self.scenario_names, plugins=self.plugins, timeout=self.timeout
+            )
         return self._suite
 
     def verdict(self, strategy: str, scenario: str) -> Any:
@@ -90,11 +103,13 @@ class ConformanceSession:
         result = self.results[strategy]
         if v.status == "skipped":
             pytest.skip(f"strategy {strategy!r} skipped: {v.reason}")
-        if v.status == "unsupported":
-            pytest.skip(f"unsupported by {strategy!r}: {v.reason}")
+        if v.status == "declared_out":
+            pytest.skip(f"declared out by {strategy!r}: {v.reason}")
         if v.status == "fail":
             lines = [d.message() for d in v.divergences] or [v.reason or "failed"]
             text = f"{strategy} / {scenario}: {len(lines)} divergence(s)\n  " + "\n  ".join(lines[:30])
+            if v.diagnosis is not None:
+                text += f"\nlikely cause: {v.diagnosis.message()}"
             if result.non_conformant:
                 pytest.xfail(f"declared non-conformant ({result.non_conformant}); {lines[0]}")
             pytest.fail(text, pytrace=False)
@@ -104,9 +119,12 @@ class ConformanceSession:
 
         results = [self.results[s] for s in self.strategies if s in self.results]
         return SuiteReport(
-            world_size=self.suite.world_size, alt_world_size=self.suite.alt_world_size,
-            scenarios=self.suite.scenarios, results=results,
-            verdicts={r.name: self.verdicts[r.name] for r in results}, reference=self.suite.reference(),
+            world_size=self.suite.world_size,
+            alt_world_size=self.suite.alt_world_size,
+            scenarios=self.suite.scenarios,
+            results=results,
+            verdicts={r.name: self.verdicts[r.name] for r in results},
+            reference=self.suite.reference(),
             reference_wall_s=self.suite.reference_wall_s,
             wall_s=self.suite.reference_wall_s + sum(r.wall_s.get("total", 0.0) for r in results),
         )
@@ -131,8 +149,11 @@ def generate_tests(metafunc: pytest.Metafunc) -> None:
     except ValueError:  # the plugin's options are not registered
         strategies = None
     if not strategies:
-        why = ("load the plugin: pytest -p unison.conformance.pytest_plugin"
-               if strategies is None else "no --unison-strategy given")
+        why = (
+            "load the plugin: pytest -p unison.conformance.pytest_plugin"
+            if strategies is None
+            else "no --unison-strategy given"
+        )
         metafunc.parametrize("unison_case", [pytest.param(None, marks=pytest.mark.skip(reason=why))], ids=["none"])
         return
     from unison.conformance.scenarios import select

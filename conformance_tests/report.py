@@ -3,36 +3,170 @@
 :func:`certify` runs the suite for some strategies and returns a
 :class:`SuiteReport`; :meth:`SuiteReport.write` produces
 
-* ``report.json``: every verdict (with each divergence: scenario, run,
-  quantity, step, expected, got), the tolerances, each strategy's ownership
-  declaration, wall times, and the traces without tensors;
-* ``report.html``: the same table, then per scenario an inline SVG plot of the
-  per-step loss of every backend overlaid on the reference (generated here,
-  no plotting library, so the file is self-contained and the report works in
-  a minimal environment), the checks made and the divergences found.
+* ``report.json``: the certificate of every strategy (``certified`` or ``not
+  certified``, the scenarios proven, declared out with the declared reason,
+  failed with the diagnosis), the environment (unison, torch and backend
+  versions, git revision when available, host, world size), every verdict
+  with each divergence (scenario, run, quantity, step, expected, got), the
+  tolerances, each strategy's ownership declaration, wall times, and the
+  traces without tensors;
+* ``report.html``: the same, rendered from a jinja2 template
+  (``templates/report.html.j2``): the certificates first, then the matrix, then
+  per scenario a matplotlib SVG plot of each strategy's *deviation from the
+  reference* per step (relative loss and grad-norm difference, log scale, the
+  precision's ceiling drawn in; exact agreement is drawn at the plot's floor),
+  the checks made, the divergences found and the diagnosis.
 
-A cell is ``pass`` (with the largest parameter deviation), ``FAIL`` (with the
-first divergence), ``unsupported`` (declared, with the reason) or ``skipped``
+A cell is ``pass`` (proven, with the largest parameter deviation), ``FAIL``
+(with the first divergence and the likely broken rule), ``declared out``
+(refused, and the declaration says so: with the reason) or ``skipped``
 (strategy unavailable on this machine, with the reason): never a silent pass.
+
+A strategy is *certified* when it ran, no scenario failed and at least one
+training scenario was proven; the certificate lists which scenarios were
+proven and which were declared out.
 """
 
 from __future__ import annotations
 
 import datetime
-import html
+import importlib.metadata
+import io
 import json
 import math
 import os
+import platform
+import socket
+import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from unison.conformance.compare import TOLERANCES, Verdict, judge
+from unison.conformance.compare import DECLARED_OUT, FAIL, PASS, SKIPPED, TOLERANCES, Verdict, judge, status_label
 from unison.conformance.runner import REFERENCE, StrategyResult, Suite
-from unison.conformance.scenarios import Scenario
+from unison.conformance.scenarios import SCENARIOS_BY_NAME, Scenario
 
-COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
+#: Line colours (matplotlib's tab10), one per strategy.
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
+#: Relative deviations below this (exact agreement included) are drawn at this value on the log axis.
+PLOT_FLOOR = 1e-10
+#: Packages whose versions the report names (read from the installed metadata, nothing imported).
+VERSIONED = ("unison", "torch", "pluggy", "deepspeed", "fairscale", "apex", "transformers")
+
+
+# --------------------------------------------------------------------------- #
+# Environment and certificates
+# --------------------------------------------------------------------------- #
+
+
+def _git_revision() -> dict[str, Any] | None:
+    """The git commit of the unison source tree (editable installs, CI checkouts), or ``None``."""
+    here = Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        status = subprocess.run(
+            ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": rev.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def environment(world_size: int, alt_world_size: int) -> dict[str, Any]:
+    """What the certificate was produced with: versions, revision, host, world sizes."""
+    versions = {}
+    for name in VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    versions["python"] = platform.python_version()
+    import torch
+
+    return {
+        "versions": versions,
+        "git": _git_revision(),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "accelerator": "cpu",
+        "distributed_backend": "gloo" if torch.distributed.is_available() else None,
+        "world_size": world_size,
+        "alt_world_size": alt_world_size,
+    }
+
+
+@dataclass
+class Certificate:
+    """One strategy's outcome at one world size."""
+
+    strategy: str
+    certified: bool
+    #: One line: why (not) certified.
+    summary: str
+    proven: list[str]
+    #: ``[(scenario, declared reason)]``
+    declared_out: list[tuple[str, str]]
+    #: ``[(scenario, diagnosis or first divergence)]``
+    failed: list[tuple[str, str]]
+    skipped: str | None = None
+    non_conformant: str | None = None
+
+    @property
+    def label(self) -> str:
+        return "certified" if self.certified else "not certified"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "strategy": self.strategy,
+            "certified": self.certified,
+            "label": self.label,
+            "summary": self.summary,
+            "proven": self.proven,
+            "declared_out": [{"scenario": s, "reason": r} for s, r in self.declared_out],
+            "failed": [{"scenario": s, "why": w} for s, w in self.failed],
+            "skipped": self.skipped,
+            "non_conformant": self.non_conformant,
+        }
+
+
+def _certificate(result: StrategyResult, verdicts: dict[str, Verdict], world_size: int) -> Certificate:
+    proven = [n for n, v in verdicts.items() if v.status == PASS]
+    out = [(n, v.reason or "") for n, v in verdicts.items() if v.status == DECLARED_OUT]
+    failed = [
+        (n, v.diagnosis.message() if v.diagnosis is not None else v.summary())
+        for n, v in verdicts.items()
+        if v.status == FAIL
+    ]
+    cert = Certificate(result.name, False, "", proven, out, failed, non_conformant=result.non_conformant)
+    if result.status == "skipped":
+        cert.skipped = result.reason
+        cert.summary = f"not run here: {result.reason}"
+    elif result.status != "ran":
+        cert.summary = f"could not be run: {result.reason}"
+    elif failed:
+        cert.summary = f"{len(failed)} scenario(s) failed: {', '.join(n for n, _ in failed)}"
+    elif not any(SCENARIOS_BY_NAME[n].kind == "train" for n in proven if n in SCENARIOS_BY_NAME):
+        # Declarations alone (checked without training) certify nothing.
+        cert.summary = f"no training scenario proven at world size {world_size}: every one ran is declared out"
+    else:
+        cert.certified = True
+        cert.summary = f"{len(proven)} scenario(s) proven at world size {world_size}" + (
+            f", {len(out)} declared out" if out else ""
+        )
+    return cert
+
+
+# --------------------------------------------------------------------------- #
+# The report
+# --------------------------------------------------------------------------- #
 
 
 @dataclass
@@ -45,7 +179,14 @@ class SuiteReport:
     reference: dict[str, dict[str, dict[str, Any]]]
     reference_wall_s: float
     wall_s: float
-    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    )
+    env: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.env is None:
+            self.env = environment(self.world_size, self.alt_world_size)
 
     # -- outcome ------------------------------------------------------------ #
     def failures(self, *, include_declared: bool = False) -> list[Verdict]:
@@ -54,18 +195,24 @@ class SuiteReport:
         for r in self.results:
             if r.non_conformant and not include_declared:
                 continue
-            out += [v for v in self.verdicts[r.name].values() if v.status == "fail"]
+            out += [v for v in self.verdicts[r.name].values() if v.status == FAIL]
         return out
 
     @property
     def exit_code(self) -> int:
-        """0 when every strategy claiming conformance passed (skips and declared unsupported allowed)."""
+        """0 when no strategy claiming conformance failed (skips and declared-out scenarios allowed)."""
         return 1 if self.failures() else 0
 
-    def certified(self, strategy: str) -> bool:
-        """Ran, and no scenario failed (unsupported scenarios are declared, not failed)."""
+    def certificate(self, strategy: str) -> Certificate:
         result = next(r for r in self.results if r.name == strategy)
-        return result.status == "ran" and all(v.status in ("pass", "unsupported") for v in self.verdicts[strategy].values())
+        return _certificate(result, self.verdicts[strategy], self.world_size)
+
+    def certificates(self) -> list[Certificate]:
+        return [self.certificate(r.name) for r in self.results]
+
+    def certified(self, strategy: str) -> bool:
+        """Ran, no scenario failed, at least one training scenario proven (declared-out ones are listed, not failed)."""
+        return self.certificate(strategy).certified
 
     # -- terminal ----------------------------------------------------------- #
     def print_table(self, console: Any = None) -> None:
@@ -74,6 +221,9 @@ class SuiteReport:
         from rich.table import Table
 
         console = console or Console()
+        for cert in self.certificates():
+            style = "bold green" if cert.certified else "bold red"
+            console.print(f"[{style}]{escape(cert.strategy)}: {cert.label.upper()}[/{style}] – {escape(cert.summary)}")
         table = Table(title=f"unison conformance (world size {self.world_size}; reference: {REFERENCE})")
         table.add_column("scenario", style="bold", no_wrap=True)
         for r in self.results:
@@ -90,40 +240,54 @@ class SuiteReport:
         for r in self.results:
             if r.world_errors:
                 for world, err in r.world_errors.items():
-                    console.print(f"[red]{r.name}: the {world} world failed:[/red] {err.splitlines()[0] if err else ''}")
+                    first = err.splitlines()[0] if err else ""
+                    console.print(f"[red]{r.name}: the {world} world failed:[/red] {first}")
         notes = []
         for r in self.results:
             seen = set()
-            for name, v in self.verdicts[r.name].items():
-                if v.status in ("unsupported", "skipped") and v.reason not in seen:
+            for v in self.verdicts[r.name].values():
+                if v.status in (DECLARED_OUT, SKIPPED) and v.reason not in seen:
                     seen.add(v.reason)
                     scenarios = [n for n, w in self.verdicts[r.name].items() if w.reason == v.reason]
-                    notes.append(f"  {r.name} {v.status} ({', '.join(scenarios)}): {v.reason}")
+                    notes.append(f"  {r.name} {status_label(v.status)} ({', '.join(scenarios)}): {v.reason}")
         if notes:
-            console.print("[bold]Unsupported and skipped, with the reasons:[/bold]")
+            console.print("[bold]Declared out and skipped, with the reasons:[/bold]")
             for line in notes:
                 console.print(line, markup=False, highlight=False)
         fails = self.failures(include_declared=True)
         if fails:
-            console.print("[bold]First divergence per failed cell:[/bold]")
+            console.print("[bold]First divergence and likely cause per failed cell:[/bold]")
             for v in fails:
                 console.print(f"  {v.strategy} / {v.scenario}: {v.summary()[6:]}", markup=False, highlight=False)
+                if v.diagnosis is not None:
+                    console.print(f"    diagnosis: {v.diagnosis.message()}", markup=False, highlight=False)
 
     # -- files -------------------------------------------------------------- #
     def to_dict(self) -> dict[str, Any]:
         return {
             "created": self.created,
+            "environment": self.env,
             "world_size": self.world_size,
             "alt_world_size": self.alt_world_size,
             "reference": REFERENCE,
             "wall_s": self.wall_s,
             "reference_wall_s": self.reference_wall_s,
             "exit_code": self.exit_code,
+            "certificates": [c.to_dict() for c in self.certificates()],
             "tolerances": {k: vars(v) for k, v in TOLERANCES.items()},
             "scenarios": [
-                {"name": s.name, "description": s.description, "model": s.model, "precision": s.precision,
-                 "accumulate_grad_batches": s.accumulate_grad_batches, "grad_clip_norm": s.grad_clip_norm,
-                 "optimizer": s.optimizer, "scheduler": s.scheduler, "max_steps": s.max_steps}
+                {
+                    "name": s.name,
+                    "description": s.description,
+                    "model": s.model,
+                    "precision": s.precision,
+                    "accumulate_grad_batches": s.accumulate_grad_batches,
+                    "grad_clip_norm": s.grad_clip_norm,
+                    "optimizer": s.optimizer,
+                    "scheduler": s.scheduler,
+                    "max_steps": s.max_steps,
+                    "form": s.form,
+                }
                 for s in self.scenarios
             ],
             "strategies": [
@@ -154,198 +318,171 @@ class SuiteReport:
         return out
 
     def to_html(self) -> str:
-        esc = html.escape
-        parts = [
-            "<!doctype html><html><head><meta charset='utf-8'><title>unison conformance</title><style>",
-            "body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse}"
-            "td,th{border:1px solid #ccc;padding:4px 8px;vertical-align:top;font-size:13px}"
-            ".pass{background:#e6f4ea}.fail{background:#fde8e8}.unsupported{background:#f1f1f1}"
-            ".skipped{background:#fff6dd}code{font-size:12px}svg{background:#fff;border:1px solid #ddd}",
-            "</style></head><body>",
-            f"<h1>unison conformance</h1><p>{esc(self.created)} &middot; world size {self.world_size} "
-            f"(reshard at {self.alt_world_size}) &middot; reference <code>{REFERENCE}</code> &middot; "
-            f"total wall time {self.wall_s:.1f} s (reference {self.reference_wall_s:.1f} s)</p>",
-            "<table><tr><th>scenario</th>",
-        ]
-        for r in self.results:
-            flag = "<br><small>declared non-conformant</small>" if r.non_conformant else ""
-            parts.append(f"<th>{esc(r.name)}{flag}</th>")
-        parts.append("</tr>")
-        for s in self.scenarios:
-            parts.append(f"<tr><td><a href='#{esc(s.name)}'>{esc(s.name)}</a></td>")
-            for r in self.results:
-                v = self.verdicts[r.name][s.name]
-                parts.append(f"<td class='{v.status}'>{esc(_short(v))}</td>")
-            parts.append("</tr>")
-        parts.append("<tr><td>wall time</td>")
-        for r in self.results:
-            detail = ", ".join(f"{k} {v:.1f} s" for k, v in r.wall_s.items() if k != "total")
-            parts.append(f"<td>{r.wall_s.get('total', 0.0):.1f} s<br><small>{esc(detail)}</small></td>")
-        parts.append("</tr></table>")
+        import jinja2
 
-        parts.append("<h2>Tolerances</h2><table><tr><th>precision</th><th>param (abs)</th><th>loss (rel)</th>"
-                     "<th>grad norm (rel)</th><th>lr (rel)</th></tr>")
-        for name, t in TOLERANCES.items():
-            parts.append(f"<tr><td>{name}</td><td>{t.param:g}</td><td>{t.loss:g}</td><td>{t.grad_norm:g}</td>"
-                         f"<td>{t.lr:g}</td></tr>")
-        parts.append("</table>")
-
-        for r in self.results:
-            parts.append(f"<h2>Strategy <code>{esc(r.name)}</code>: {esc(r.status)}</h2>")
-            if r.reason:
-                parts.append(f"<p>{esc(r.reason)}</p>")
-            if r.non_conformant:
-                parts.append(f"<p><b>Declared non-conformant:</b> {esc(r.non_conformant)}</p>")
-            if r.ownership:
-                parts.append(f"<details><summary>ownership declaration</summary><pre>"
-                             f"{esc(json.dumps(r.ownership, indent=2))}</pre></details>")
-            for world, err in r.world_errors.items():
-                parts.append(f"<details open><summary>{esc(world)} world failed</summary><pre>{esc(err)}</pre></details>")
-
-        for s in self.scenarios:
-            parts.append(f"<h2 id='{esc(s.name)}'>{esc(s.name)}</h2><p>{esc(s.description)}</p>")
-            parts.append(f"<p><small>model {esc(s.model)}, {esc(s.precision)}, accumulation "
-                         f"{s.accumulate_grad_batches}, clip {s.grad_clip_norm}, optimizer {esc(s.optimizer)}, "
-                         f"scheduler {s.scheduler}, {s.max_steps} steps</small></p>")
-            if s.kind == "train":
-                parts.append(self._plot(s))
-            for r in self.results:
-                v = self.verdicts[r.name][s.name]
-                parts.append(f"<h3>{esc(r.name)}: <span class='{v.status}'>{esc(v.status)}</span></h3>")
-                if v.reason and v.status != "fail":
-                    parts.append(f"<p>{esc(v.reason)}</p>")
-                if v.max_param_deviation is not None:
-                    parts.append(f"<p>max |&Delta;param| {v.max_param_deviation:.3g}; max relative loss deviation "
-                                 f"{(v.max_loss_deviation or 0.0):.3g}"
-                                 + (f"; gradient collectives per optimizer step {v.gradient_sync_per_step}"
-                                    if v.gradient_sync_per_step is not None else "") + "</p>")
-                if v.divergences:
-                    parts.append("<ul>" + "".join(f"<li>{esc(d.message())}</li>" for d in v.divergences[:20])
-                                 + (f"<li>... {len(v.divergences) - 20} more</li>" if len(v.divergences) > 20 else "")
-                                 + "</ul>")
-                if v.checks:
-                    parts.append("<details><summary>checks</summary><ul>"
-                                 + "".join(f"<li>{esc(c)}</li>" for c in v.checks) + "</ul></details>")
-        parts.append("</body></html>")
-        return "".join(parts)
-
-    def _plot(self, scenario: Scenario) -> str:
-        """Inline SVG: per-step loss, the reference in black, each strategy in its colour."""
-        series: list[tuple[str, str, str, list[tuple[int, float]]]] = []  # label, colour, dash, points
-        ref_runs = self.reference.get(scenario.name, {})
-        first_ref = next((r.id for r in scenario.runs if r.backend == "reference"), None)
-        if first_ref and ref_runs.get(first_ref, {}).get("status") == "ok":
-            series.append((f"{REFERENCE} ({first_ref})", "#000", "", _points(ref_runs[first_ref])))
+        env = jinja2.Environment(
+            loader=jinja2.PackageLoader("unison.conformance", "templates"),
+            autoescape=jinja2.select_autoescape(["html", "j2"]),
+            undefined=jinja2.StrictUndefined,
+            trim_blocks=True,
+            lstrip_blocks=True,
+        )
+        env.filters["status_label"] = status_label
+        env.filters["sci"] = lambda x, digits=2: "–" if x is None else f"{x:.{digits}g}"
+        template = env.get_template("report.html.j2")
+        strategies = []
         for i, r in enumerate(self.results):
-            colour = COLORS[i % len(COLORS)]
-            runs = [run for run in scenario.runs if run.backend == "strategy"]
-            for j, run in enumerate(runs):
+            strategies.append(
+                {
+                    "result": r,
+                    "certificate": self.certificate(r.name),
+                    "colour": COLORS[i % len(COLORS)],
+                    "ownership_json": json.dumps(r.ownership, indent=2) if r.ownership else None,
+                }
+            )
+        scenarios = []
+        for s in self.scenarios:
+            scenarios.append(
+                {
+                    "scenario": s,
+                    "plot": jinja2_markup(self.deviation_plot(s)) if s.kind == "train" else None,
+                    "verdicts": [(r, self.verdicts[r.name][s.name]) for r in self.results],
+                }
+            )
+        return template.render(
+            report=self,
+            env=self.env,
+            strategies=strategies,
+            scenarios=scenarios,
+            tolerances=TOLERANCES,
+            reference_name=REFERENCE,
+            cell=_cell,
+            PASS=PASS,
+            FAIL=FAIL,
+        )
+
+    # -- plots ------------------------------------------------------------- #
+    def deviation_series(self, scenario: Scenario) -> list[dict[str, Any]]:
+        """Per strategy run compared with a reference run: relative loss and grad-norm deviation per step."""
+        ref_runs = self.reference.get(scenario.name, {})
+        series = []
+        for i, r in enumerate(self.results):
+            for j, run in enumerate(rn for rn in scenario.runs if rn.backend == "strategy"):
+                against = run.twin or run.truth
                 t = r.traces.get(scenario.name, {}).get(run.id)
-                if t and t.get("status") == "ok":
-                    series.append((f"{r.name} ({run.id})", colour, "" if j == 0 else "5,3", _points(t)))
-            for run_id, t in r.reference_traces.get(scenario.name, {}).items():
-                if t.get("status") == "ok":
-                    series.append((f"{REFERENCE} from {r.name} ({run_id})", colour, "2,2", _points(t)))
-        return svg_plot(series, title=f"{scenario.name}: loss per optimizer step")
+                ref = ref_runs.get(against or "")
+                if not t or t.get("status") != "ok" or not ref or ref.get("status") != "ok":
+                    continue
+                want = {s["step"]: s for s in ref.get("steps", [])}
+                points = []
+                for s in t.get("steps", []):
+                    b = want.get(s["step"])
+                    if b is None:
+                        continue
+                    points.append((s["step"], _rel(s["loss"], b["loss"]), _rel(s["grad_norm"], b["grad_norm"])))
+                series.append(
+                    {
+                        "label": f"{r.name} ({run.id} vs {REFERENCE} {against})",
+                        "strategy": r.name,
+                        "colour": COLORS[i % len(COLORS)],
+                        "style": ["-", "--", ":", "-."][j % 4],
+                        "points": points,
+                    }
+                )
+        return series
+
+    def deviation_plot(self, scenario: Scenario) -> str:
+        """An SVG figure: |strategy - reference| / |reference| per step for the loss and the grad norm."""
+        from matplotlib import rc_context
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import LogLocator, MaxNLocator
+
+        series = self.deviation_series(scenario)
+        if not series:
+            return f"<p><i>{scenario.name}: no strategy run to compare</i></p>"
+        tol = TOLERANCES.get(scenario.precision)
+        # Text stays text (searchable, small); the salt keeps element ids unique across the inline figures.
+        with rc_context({"svg.fonttype": "none", "svg.hashsalt": f"unison-{scenario.name}", "font.size": 9}):
+            # The legend goes below the axes, two columns, its rows adding height:
+            # beside them, long labels squeezed the axes and ran into the titles.
+            legend_rows = math.ceil((len(series) + (tol is not None)) / 2)
+            fig = Figure(figsize=(9.5, 3.0 + 0.2 * legend_rows), layout="constrained")
+            axes = fig.subplots(1, 2, sharey=True)
+            for ax, index, quantity, ceiling in (
+                (axes[0], 1, "loss", tol.loss if tol else None),
+                (axes[1], 2, "grad norm", tol.grad_norm if tol else None),
+            ):
+                for s in series:
+                    xs = [p[0] for p in s["points"] if p[index] is not None]
+                    ys = [max(p[index], PLOT_FLOOR) for p in s["points"] if p[index] is not None]
+                    ax.plot(
+                        xs, ys, s["style"], color=s["colour"], marker="o", markersize=3, linewidth=1.4, label=s["label"]
+                    )
+                if ceiling is not None:
+                    ax.axhline(
+                        ceiling,
+                        color="#444",
+                        linestyle=(0, (4, 3)),
+                        linewidth=1,
+                        label=f"ceiling ({scenario.precision})",
+                    )
+                ax.set_yscale("log")
+                ax.set_ylim(
+                    PLOT_FLOOR / 3,
+                    max(1.0, 3 * max((p[index] or 0.0 for s in series for p in s["points"]), default=1.0)),
+                )
+                ax.yaxis.set_major_locator(LogLocator(base=10, numticks=12))
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                ax.set_xlabel("optimizer step")
+                ax.set_title(quantity)
+                ax.grid(True, which="major", alpha=0.3)
+            axes[0].set_ylabel(f"|strategy − reference| / |reference|\n(exact = {PLOT_FLOOR:.0e})")
+            handles, labels = axes[0].get_legend_handles_labels()
+            fig.suptitle(f"{scenario.name}: relative deviation from the reference ({REFERENCE}) per optimizer step")
+            fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=8, frameon=False)
+            buffer = io.StringIO()
+            fig.savefig(buffer, format="svg", bbox_inches="tight")
+        svg = buffer.getvalue()
+        return svg[svg.index("<svg") :]
 
 
-def _points(trace: dict[str, Any]) -> list[tuple[int, float]]:
-    return [(s["step"], s["loss"]) for s in trace.get("steps", [])]
+def jinja2_markup(text: str) -> Any:
+    import markupsafe
+
+    return markupsafe.Markup(text)
 
 
-def svg_plot(series: Sequence[tuple[str, str, str, list[tuple[int, float]]]], *, title: str,
-             width: int = 640, height: int = 280) -> str:
-    """A line plot as an SVG string; non-finite values are drawn as crosses on the top edge."""
-    esc = html.escape
-    finite = [y for *_, pts in series for _, y in pts if math.isfinite(y)]
-    steps = [x for *_, pts in series for x, _ in pts]
-    if not finite or not steps:
-        return f"<p><i>{esc(title)}: no data</i></p>"
-    left, right, top, bottom = 60, 180, 24, 30
-    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
-    y0, y1 = min(finite), max(finite)
-    if y1 - y0 < 1e-12:
-        y0, y1 = y0 - 0.5, y1 + 0.5
-    pad = 0.05 * (y1 - y0)
-    y0, y1 = y0 - pad, y1 + pad
-    pw, ph = width - left - right, height - top - bottom
+def _rel(a: float, b: float) -> float | None:
+    """Relative deviation as the comparison measures it; ``None`` where either is not finite (skipped steps)."""
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return None
+    from unison.conformance.compare import RELATIVE_FLOOR
 
-    def sx(x: float) -> float:
-        return left + (x - x0) / (x1 - x0) * pw
-
-    def sy(y: float) -> float:
-        return top + (1 - (y - y0) / (y1 - y0)) * ph
-
-    out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' role='img'>",
-           f"<text x='{left}' y='16' font-size='13'>{esc(title)}</text>",
-           f"<rect x='{left}' y='{top}' width='{pw}' height='{ph}' fill='none' stroke='#999'/>"]
-    for k in range(5):
-        yv = y0 + (y1 - y0) * k / 4
-        out.append(f"<text x='{left - 6}' y='{sy(yv) + 4:.1f}' font-size='10' text-anchor='end'>{yv:.3g}</text>")
-    for x in range(x0, x1 + 1):
-        out.append(f"<text x='{sx(x):.1f}' y='{height - 12}' font-size='10' text-anchor='middle'>{x}</text>")
-    for i, (label, colour, dash, pts) in enumerate(series):
-        segment: list[str] = []
-        segments = []
-        for x, y in pts:
-            if math.isfinite(y):
-                segment.append(f"{sx(x):.1f},{sy(y):.1f}")
-            else:
-                out.append(f"<text x='{sx(x):.1f}' y='{top + 10}' font-size='12' fill='{colour}' "
-                           f"text-anchor='middle'>&#215;</text>")
-                if segment:
-                    segments.append(segment)
-                segment = []
-        if segment:
-            segments.append(segment)
-        for seg in segments:
-            dash_attr = f" stroke-dasharray='{dash}'" if dash else ""
-            width_px = 3 if colour == "#000" else 1.5
-            out.append(f"<polyline points='{' '.join(seg)}' fill='none' stroke='{colour}' "
-                       f"stroke-width='{width_px}' stroke-opacity='0.8'{dash_attr}/>")
-            if len(seg) == 1:
-                cx, cy = seg[0].split(",")
-                out.append(f"<circle cx='{cx}' cy='{cy}' r='2.5' fill='{colour}'/>")
-        ly = top + 12 + 14 * i
-        out.append(f"<line x1='{width - right + 10}' y1='{ly - 4}' x2='{width - right + 30}' y2='{ly - 4}' "
-                   f"stroke='{colour}' stroke-width='2'" + (f" stroke-dasharray='{dash}'" if dash else "") + "/>")
-        out.append(f"<text x='{width - right + 34}' y='{ly}' font-size='10'>{esc(label)}</text>")
-    out.append("</svg>")
-    return "".join(out)
-
-
-def _short(v: Verdict) -> str:
-    if v.status == "pass":
-        return "pass" + ("" if v.max_param_deviation is None else f" (max |Δθ| {v.max_param_deviation:.1e})")
-    if v.status == "fail":
-        d = v.divergences[0] if v.divergences else None
-        if d is None:
-            return f"FAIL: {v.reason}"
-        where = f"{d.quantity}" + (f" @ step {d.step}" if d.step is not None else "")
-        dev = f" ({d.deviation:.2e})" if d.deviation is not None else ""
-        return f"FAIL {where}{dev} [{d.run}]"
-    return f"{v.status}: {v.reason}"
+    return abs(a - b) / max(abs(b), RELATIVE_FLOOR)
 
 
 def _cell(v: Verdict) -> str:
-    """The terminal cell: short enough for one line per strategy column; reasons go below the table."""
-    if v.status == "pass":
+    """The short cell text (terminal and HTML matrix); reasons go below the table."""
+    if v.status == PASS:
         return "pass" if v.max_param_deviation is None else f"pass {v.max_param_deviation:.1e}"
-    if v.status == "fail":
+    if v.status == FAIL:
         d = v.divergences[0] if v.divergences else None
         if d is None:
             return "FAIL"
         where = d.quantity if len(d.quantity) <= 24 else d.quantity[:23] + "…"
-        return f"FAIL {where}" + (f"@{d.step}" if d.step is not None else "") + (
-            f" ({d.deviation:.1e})" if d.deviation is not None else "")
-    return v.status
+        return (
+            f"FAIL {where}"
+            + (f"@{d.step}" if d.step is not None else "")
+            + (f" ({d.deviation:.1e})" if d.deviation is not None else "")
+        )
+    return status_label(v.status)
 
 
 def _rich_cell(v: Verdict) -> str:
     from rich.markup import escape
 
     text = escape(_cell(v))
-    style = {"pass": "green", "fail": "bold red", "unsupported": "dim", "skipped": "yellow"}.get(v.status, "")
+    style = {PASS: "green", FAIL: "bold red", DECLARED_OUT: "dim", SKIPPED: "yellow"}.get(v.status, "")
     return f"[{style}]{text}[/{style}]" if style else text
 
 
@@ -354,9 +491,11 @@ def _json_traces(traces: dict[str, dict[str, dict[str, Any]]]) -> dict[str, Any]
     for scenario, runs in traces.items():
         out[scenario] = {}
         for run_id, t in runs.items():
-            d = {k: v for k, v in t.items() if k not in ("state", "ranks")}
+            d = {k: v for k, v in t.items() if k not in ("state", "ranks", "buffer_snapshots")}
             if "ranks" in t:
                 d["ranks"] = [{"collectives": r.get("collectives"), "counts": r.get("counts")} for r in t["ranks"]]
+            if t.get("buffer_snapshots"):
+                d["buffer_snapshot_steps"] = sorted(t["buffer_snapshots"])
             out[scenario][run_id] = d
     return out
 
@@ -369,6 +508,8 @@ def _sanitize(value: Any) -> Any:
         return {str(k): _sanitize(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_sanitize(v) for v in value]
+    if hasattr(value, "to_dict"):
+        return _sanitize(value.to_dict())
     return value
 
 
@@ -397,8 +538,13 @@ def certify(
         reference = suite.reference() if any(r.status == "ran" for r in results) else {}
         verdicts = {r.name: judge(r, reference, suite.scenarios) for r in results}
         report = SuiteReport(
-            world_size=suite.world_size, alt_world_size=suite.alt_world_size, scenarios=suite.scenarios,
-            results=results, verdicts=verdicts, reference=reference, reference_wall_s=suite.reference_wall_s,
+            world_size=suite.world_size,
+            alt_world_size=suite.alt_world_size,
+            scenarios=suite.scenarios,
+            results=results,
+            verdicts=verdicts,
+            reference=reference,
+            reference_wall_s=suite.reference_wall_s,
             wall_s=time.perf_counter() - started,
         )
     finally:
@@ -409,4 +555,4 @@ def certify(
     return report
 
 
-__all__ = ["SuiteReport", "certify", "svg_plot"]
+__all__ = ["Certificate", "SuiteReport", "certify", "environment"]

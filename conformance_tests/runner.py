@@ -41,36 +41,51 @@ Every run produces a *trace* (a plain dict, JSON-able but for ``state``):
     ``c10d`` dispatcher ops. Counted per kind for the whole fit, per optimizer
     step inside the forward/backward window (``unison_on_train_step_start`` to
     ``unison_on_after_backward``), and inside the strategy's ``no_sync()``.
+    Per micro-step too (``gradient_sync_per_micro_step``): each micro-step's
+    window runs from the end of the previous micro-step's ``backward`` (or the
+    step's start) to the end of its own, so the suite can check the declared
+    :class:`~unison.ownership.GradSync` (boundary only, or every micro-step).
 ``boundaries``
     for engine-owned accumulation, what ``is_accumulation_boundary()``
     answered at every micro-step.
 ``state``
-    ``trainer.full_state_dict()`` after ``fit`` (rank 0's).
+    ``trainer.full_state_dict()`` after ``fit``, on every rank (so replicas
+    that end apart are seen).
+``buffer_snapshots``
+    ``{step: canonical buffers}`` taken from ``trainer.full_state_dict()``
+    inside ``unison_on_save_checkpoint``, at every checkpoint the run writes.
 
 A run whose Trainer refuses the configuration with a ``ConfigurationError``
-is recorded as ``unsupported`` with the message; any other exception as
-``error`` with the traceback. If a rank fails inside a collective the other
-ranks cannot continue: the world then times out and every strategy run of it
-is reported with the world's error, which names the run each rank was in and,
-for a hang, each rank's stack (dumped by ``faulthandler`` shortly before the
-world is killed).
+*before* ``fit`` starts the process group and the strategy's setup
+(``trainer.setup_started`` is still ``False``) is recorded as ``refused``,
+with the option, the declared feature (:class:`unison.DeclaredRefusal`) and
+the message; the comparison decides whether the declaration allowed it. A
+``ConfigurationError`` once setup started, and any other exception, is an
+``error`` with the traceback: never a refusal. If a rank fails inside a
+collective the other ranks cannot continue: the world then times out and every
+strategy run of it is reported with the world's error, which names the run
+each rank was in and, for a hang, each rank's stack (dumped by
+``faulthandler`` shortly before the world is killed).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import os
 import shutil
 import tempfile
 import time
 import traceback
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
+
 import unison
 from unison.checkpoint import Checkpointer
 from unison.conformance.scenarios import (
@@ -82,15 +97,18 @@ from unison.conformance.scenarios import (
     build_model,
     default_alt_world_size,
     loss_fn,
+    perturb,
     select,
+    training_step,
 )
-from unison.errors import ConfigurationError
-from unison.ownership import STANDARD_PRECISIONS
+from unison.errors import ConfigurationError, DeclaredRefusal
+from unison.ownership import STANDARD_PRECISIONS, WorldSizes
 
 REFERENCE = "single"
 
 STEP_MARK = "unison.conformance::forward_backward"
 NO_SYNC_MARK = "unison.conformance::no_sync"
+MICRO_MARK = "unison.conformance::backward"
 
 #: ``c10d`` dispatcher op -> collective kind.
 COLLECTIVE_KINDS = {
@@ -148,8 +166,11 @@ def make_plugin_manager(plugins: Sequence[str] = ()) -> unison.PluginManager:
 class TraceRecorder:
     """A plugin recording what the trainer reports at every optimizer step."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffer_names: Sequence[str] = ()) -> None:
         self.steps: list[dict[str, Any]] = []
+        #: Canonical names of the model's buffers (recorded at every checkpoint).
+        self.buffer_names = tuple(buffer_names)
+        self.buffer_snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self.hook_grad_norms: dict[int, float] = {}
         self.start_counts: dict[str, int] | None = None
         self._mark: Any = None
@@ -205,6 +226,14 @@ class TraceRecorder:
         self.in_update = False
 
     @unison.hookimpl
+    def unison_on_save_checkpoint(self, trainer: Any) -> None:
+        # Collective (every rank writes the checkpoint): the canonical state,
+        # as a user exporting it at that moment would get it.
+        if self.buffer_names:
+            state = trainer.full_state_dict()
+            self.buffer_snapshots[trainer.progress.global_step] = {k: state[k] for k in self.buffer_names if k in state}
+
+    @unison.hookimpl
     def unison_on_train_step_end(self, step: int, output: Any) -> None:
         self.steps.append(
             {
@@ -223,6 +252,7 @@ class TraceRecorder:
 def _analyse_collectives(events: Any) -> dict[str, Any]:
     windows: list[tuple[float, float]] = []
     no_sync: list[tuple[float, float]] = []
+    backward_ends: list[float] = []
     calls: list[tuple[float, str]] = []
     for e in events:
         name = e.name
@@ -230,8 +260,10 @@ def _analyse_collectives(events: Any) -> dict[str, Any]:
             windows.append((e.time_range.start, e.time_range.end))
         elif name == NO_SYNC_MARK:
             no_sync.append((e.time_range.start, e.time_range.end))
+        elif name == MICRO_MARK:
+            backward_ends.append(e.time_range.end)
         elif name.startswith("c10d::"):
-            op = name[len("c10d::"):]
+            op = name[len("c10d::") :]
             calls.append((e.time_range.start, COLLECTIVE_KINDS.get(op, f"other:{op}")))
     windows.sort()
     total = Counter(kind for _, kind in calls)
@@ -239,15 +271,30 @@ def _analyse_collectives(events: Any) -> dict[str, Any]:
     def inside(t: float, spans: list[tuple[float, float]]) -> bool:
         return any(a <= t <= b for a, b in spans)
 
+    def grad_syncs(a: float, b: float, *, open_start: bool = False) -> int:
+        return sum(
+            1 for t, kind in calls if kind in GRADIENT_SYNC_KINDS and (a < t if open_start else a <= t) and t <= b
+        )
+
     per_step = []
+    per_micro_step = []
+    backward_ends.sort()
     for a, b in windows:
         kinds = Counter(kind for t, kind in calls if a <= t <= b)
         per_step.append(dict(kinds))
+        # Micro-step i: from the end of backward i-1 (or the step's start) to the end of backward i.
+        ends = [e for e in backward_ends if a <= e <= b]
+        micro, start = [], a
+        for i, end in enumerate(ends):
+            micro.append(grad_syncs(start, end, open_start=i > 0))
+            start = end
+        per_micro_step.append(micro)
     grad_in_no_sync = sum(1 for t, kind in calls if kind in GRADIENT_SYNC_KINDS and inside(t, no_sync))
     return {
         "total": dict(total),
         "per_step": per_step,
         "gradient_sync_per_step": [sum(s.get(k, 0) for k in GRADIENT_SYNC_KINDS) for s in per_step],
+        "gradient_sync_per_micro_step": per_micro_step,
         "gradient_sync_in_no_sync": grad_in_no_sync,
         "no_sync_entries": len(no_sync),
     }
@@ -261,25 +308,35 @@ def _profile(enabled: bool) -> Iterator[list[Any]]:
         return
     from torch.profiler import ProfilerActivity, profile
 
+    # Kineto prints two "USDT ... profiler_start/stop" lines per profiled run
+    # on stderr; a suite profiles every run on every rank. Read when the
+    # profiler starts, so setting it here is enough; a user's setting wins.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     with profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=False) as prof:
         yield out
     out.append(prof)
 
 
 def _instrument(strategy: Any, boundaries: list[bool]) -> None:
-    """Observe ``no_sync`` and ``is_accumulation_boundary`` on this strategy instance.
+    """Observe ``no_sync``, ``backward`` and ``is_accumulation_boundary`` on this strategy instance.
 
     Instance attributes shadow the methods: the strategy's behaviour is
     unchanged, the suite only marks the time spans and records the answers.
     """
+    original_backward = strategy.backward
+
+    def backward(loss: Any) -> None:
+        with torch.autograd.profiler.record_function(MICRO_MARK):
+            original_backward(loss)
+
+    strategy.backward = backward
     original_no_sync = getattr(strategy, "no_sync", None)
     if original_no_sync is not None:
 
         @contextlib.contextmanager
         def no_sync() -> Iterator[Any]:
-            with torch.autograd.profiler.record_function(NO_SYNC_MARK):
-                with original_no_sync() as value:
-                    yield value
+            with torch.autograd.profiler.record_function(NO_SYNC_MARK), original_no_sync() as value:
+                yield value
 
         strategy.no_sync = no_sync
     original_boundary = getattr(strategy, "is_accumulation_boundary", None)
@@ -307,10 +364,13 @@ def execute_run(
     """One ``fit`` of ``scenario`` under ``strategy``; returns its trace (on every rank)."""
     started = time.perf_counter()
     dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
-    trace: dict[str, Any] = {"status": "ok", "rank": torch.distributed.get_rank() if dist_on else 0}
+    rank = torch.distributed.get_rank() if dist_on else 0
+    trace: dict[str, Any] = {"status": "ok", "rank": rank}
+    trainer: Any = None
     try:
         pm = make_plugin_manager(plugins)
-        recorder = TraceRecorder()
+        model = build_model(scenario.model)
+        recorder = TraceRecorder(buffer_names=[name for name, _ in model.named_buffers()])
         settings = scenario.trainer_settings(sizing, run)
         if checkpoint_dir is not None:
             settings["checkpoint_dir"] = str(checkpoint_dir)
@@ -331,21 +391,24 @@ def execute_run(
             schedulers.append(sched)
             return sched
 
-        model = build_model(scenario.model)
+        if run.perturb is not None and rank != 0:
+            perturb(model, run.perturb, rank)
         data = scenario.dataset(sizing)
-        with _profile(dist_on) as prof_box:
-            with pm.record_hook_calls(prefix="unison_") as hooks:
-                progress = trainer.fit(
-                    model,
-                    data,
-                    loss_fn=loss_fn,
-                    optimizer=make_optimizer,
-                    lr_scheduler=make_scheduler if scenario.scheduler else None,
-                    ckpt_path=resume_path,
-                )
+        form = {"loss_fn": loss_fn} if scenario.form == "loss_fn" else {"training_step": training_step}
+        with _profile(dist_on) as prof_box, pm.record_hook_calls(prefix="unison_") as hooks:
+            progress = trainer.fit(
+                model,
+                data,
+                **form,
+                optimizer=make_optimizer,
+                lr_scheduler=make_scheduler if scenario.scheduler else None,
+                ckpt_path=resume_path,
+            )
         recorder._close_mark()
-        start = recorder.start_counts or {"optimizer_steps": progress.optimizer_steps,
-                                          "scheduler_steps": progress.scheduler_steps}
+        start = recorder.start_counts or {
+            "optimizer_steps": progress.optimizer_steps,
+            "scheduler_steps": progress.scheduler_steps,
+        }
         trace.update(
             steps=recorder.steps,
             hooks=list(hooks),
@@ -362,12 +425,30 @@ def execute_run(
             },
             boundaries=boundaries,
             accumulation_owner=trainer.ownership.grad_accumulation.owner.value,
+            accumulation_sync=trainer.ownership.grad_accumulation.sync.value,
             world_size=torch.distributed.get_world_size() if dist_on else 1,
             collectives=_analyse_collectives(prof_box[0].events()) if prof_box else None,
             state=trainer.full_state_dict(),
+            buffer_snapshots=recorder.buffer_snapshots,
         )
     except ConfigurationError as exc:
-        trace.update(status="unsupported", reason=str(exc))
+        if trainer is not None and trainer.setup_started:
+            # Bad input is refused before the process group and the strategy's
+            # setup; a ConfigurationError after that is a failure, never a refusal.
+            trace.update(status="error", error=traceback.format_exc(limit=12))
+        else:
+            trace.update(
+                status="refused",
+                reason=str(exc),
+                refusal={
+                    "type": type(exc).__name__,
+                    "option": exc.option,
+                    "problem": exc.problem,
+                    "feature": exc.feature if isinstance(exc, DeclaredRefusal) else None,
+                    "message": str(exc),
+                    "in_constructor": trainer is None,
+                },
+            )
     except Exception:
         trace.update(status="error", error=traceback.format_exc(limit=12))
     trace["wall_s"] = time.perf_counter() - started
@@ -496,32 +577,45 @@ def _world_diagnostics(directory: Path, world: str) -> str:
     return "\n".join(lines)
 
 
-def _run_one(ctx: PhaseContext, scenario: Scenario, run: Run, strategy: str, rank: int,
-             out: dict[str, dict[str, dict[str, Any]]]) -> None:
-        try:
-            resume = _resume_source(ctx, scenario, run)
-        except FileNotFoundError as exc:
-            out.setdefault(scenario.name, {})[run.id] = {"status": "error", "error": str(exc), "wall_s": 0.0}
-            return
-        trace = execute_run(
-            scenario, run, strategy=strategy, sizing=ctx.sizing, plugins=ctx.plugins,
-            checkpoint_dir=_checkpoint_root(ctx.checkpoint_root, scenario.name, run.id) if run.save else None,
-            resume_path=resume,
-        )
-        if rank != 0:
-            trace.pop("state", None)
-        out.setdefault(scenario.name, {})[run.id] = trace
+def _run_one(
+    ctx: PhaseContext, scenario: Scenario, run: Run, strategy: str, rank: int, out: dict[str, dict[str, dict[str, Any]]]
+) -> None:
+    try:
+        resume = _resume_source(ctx, scenario, run)
+    except FileNotFoundError as exc:
+        out.setdefault(scenario.name, {})[run.id] = {"status": "error", "error": str(exc), "wall_s": 0.0}
+        return
+    writes = run.save or scenario.checkpoint_every is not None
+    trace = execute_run(
+        scenario,
+        run,
+        strategy=strategy,
+        sizing=ctx.sizing,
+        plugins=ctx.plugins,
+        checkpoint_dir=_checkpoint_root(ctx.checkpoint_root, scenario.name, run.id) if writes else None,
+        resume_path=resume,
+    )
+    out.setdefault(scenario.name, {})[run.id] = trace
 
 
 def _merge_ranks(results: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, dict[str, dict[str, Any]]]:
     """Rank 0's traces, each with ``ranks``: what every rank saw (for per-rank checks)."""
+    keys = (
+        "status",
+        "hooks",
+        "collectives",
+        "counts",
+        "boundaries",
+        "steps",
+        "state",
+        "buffer_snapshots",
+        "refusal",
+        "error",
+    )
     merged = results[0]
     for scenario, runs in merged.items():
         for run_id, trace in runs.items():
-            trace["ranks"] = [
-                {k: r[scenario][run_id].get(k) for k in ("status", "hooks", "collectives", "counts", "boundaries", "steps")}
-                for r in results
-            ]
+            trace["ranks"] = [{k: r[scenario][run_id].get(k) for k in keys} for r in results]
     return merged
 
 
@@ -546,30 +640,51 @@ def _as_rank_zero_of(world_size: int) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def accepted_world_size(world_sizes: WorldSizes, preferred: int) -> int:
+    """``preferred`` when the declaration accepts it, else the smallest world size it accepts."""
+    if world_sizes.refusal(preferred) is None:
+        return preferred
+    n = max(world_sizes.minimum, world_sizes.multiple_of)
+    while world_sizes.refusal(n) is not None:
+        n += 1
+    return n
+
+
 def check_precision_declarations(strategy: str, plugins: Sequence[str], sizing: Sizing) -> list[dict[str, Any]]:
     """Build a Trainer for every standard precision and record what happened.
 
     Runs in this process: nothing here may start a process group, which is
-    itself checked (``process_group_started``).
+    itself checked (``process_group_started``). The Trainers see the suite's
+    world size, or the smallest one the strategy declares it accepts (a
+    2-stage pipeline is checked at 2 when the suite runs at 1): the precision
+    declarations hold at every accepted size.
     """
     pm = make_plugin_manager(plugins)
     ownership = pm.strategies.create(strategy).ownership
+    world_size = accepted_world_size(ownership.world_sizes, sizing.world_size)
+    batch = 4 * math.lcm(world_size, sizing.micro_batch)
     outcomes = []
     for precision in STANDARD_PRECISIONS:
         support = ownership.precision_support(precision)
         before = torch.distributed.is_available() and torch.distributed.is_initialized()
         raised = None
         try:
-            with _as_rank_zero_of(sizing.world_size):
+            with _as_rank_zero_of(world_size):
                 unison.Trainer(
-                    strategy=strategy, plugin_manager=make_plugin_manager(plugins), precision=precision,
-                    global_batch_size=sizing.micro_batch, max_steps=1, accelerator="cpu",
+                    strategy=strategy,
+                    plugin_manager=make_plugin_manager(plugins),
+                    precision=precision,
+                    global_batch_size=batch,
+                    max_steps=1,
+                    accelerator="cpu",
+                    progress="off",
                 )
         except Exception as exc:  # recorded, judged by compare
             raised = {
                 "type": type(exc).__name__,
                 "is_configuration_error": isinstance(exc, ConfigurationError),
                 "option": getattr(exc, "option", None),
+                "feature": getattr(exc, "feature", None),
                 "message": str(exc),
             }
         after = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -580,6 +695,7 @@ def check_precision_declarations(strategy: str, plugins: Sequence[str], sizing: 
                 "owner": support.owner.value,
                 "detail": support.detail,
                 "raised": raised,
+                "world_size": world_size,
                 "process_group_started": after and not before,
             }
         )
@@ -665,10 +781,15 @@ class Suite:
 
     def _ctx(self, strategy: str, backend: str, world: str, *, cross_only: bool = False) -> PhaseContext:
         return PhaseContext(
-            strategy=strategy, backend=backend, world=world, scenarios=self.scenario_names, sizing=self.sizing,
+            strategy=strategy,
+            backend=backend,
+            world=world,
+            scenarios=self.scenario_names,
+            sizing=self.sizing,
             plugins=self.plugins,
             checkpoint_root=str(self.reference_root if backend == "reference" else self.strategy_root(strategy)),
-            reference_root=str(self.reference_root), strategy_root=str(self.strategy_root(strategy)),
+            reference_root=str(self.reference_root),
+            strategy_root=str(self.strategy_root(strategy)),
             cross_only=cross_only,
             # Spawned worlds only (the parent's faulthandler timer belongs to its host, e.g. pytest):
             # stacks are dumped shortly before the world is killed, so a hang names its place.
@@ -724,8 +845,9 @@ class Suite:
         if self._has_runs(self._ctx(name, "strategy", "main")):
             started = time.perf_counter()
             try:
-                result.traces = _merge_ranks(spawn(run_phase, self.world_size, self._ctx(name, "strategy", "main"),
-                                                   timeout=self.timeout))
+                result.traces = _merge_ranks(
+                    spawn(run_phase, self.world_size, self._ctx(name, "strategy", "main"), timeout=self.timeout)
+                )
             except Exception as exc:
                 result.world_errors["main"] = self._world_error(name, "main", exc)
             result.wall_s["world"] = time.perf_counter() - started
@@ -740,8 +862,9 @@ class Suite:
         if needs_alt and ownership.state_dict.reshardable and "main" not in result.world_errors:
             started = time.perf_counter()
             try:
-                alt = _merge_ranks(spawn(run_phase, self.alt_world_size, self._ctx(name, "strategy", "alt"),
-                                         timeout=self.timeout))
+                alt = _merge_ranks(
+                    spawn(run_phase, self.alt_world_size, self._ctx(name, "strategy", "alt"), timeout=self.timeout)
+                )
                 for scenario, runs in alt.items():
                     result.traces.setdefault(scenario, {}).update(runs)
             except Exception as exc:

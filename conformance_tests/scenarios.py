@@ -12,22 +12,24 @@ over the data-parallel ranks of the main world and of the world a reshardable
 checkpoint is resumed at, and the single-process reference sees exactly the
 same global batches.
 
-Models (all tiny, all built from one seed so every rank and the reference start
-from the same weights):
+Models (all tiny, all built from one seed; the ``replica_init`` scenarios then
+perturb every rank but 0 on purpose):
 
 * ``mlp``: three ``Linear`` layers with ``Tanh``; an ``nn.Sequential`` so that
   pipeline strategies can split it.
-* ``batchnorm``: an MLP with a :class:`RunningStatsBatchNorm1d` (buffers).
+* ``batchnorm``: an MLP with a :class:`DriftingBatchNorm1d`, whose buffers
+  (running statistics and a step counter) change at every training forward,
+  identically on every rank and in the reference.
   Why not plain ``BatchNorm1d`` in training mode: each data-parallel rank would
   normalise with the statistics of its own slice of the micro-batch, which is
   not what one process on the full batch computes, so no strategy could match
   the reference (the divergence is a modelling choice, not a backend defect).
   ``SyncBatchNorm`` would fix that but refuses CPU tensors in torch 2.13 ("expected
   input tensor to be on GPU"), so it cannot run on gloo. The layer therefore
-  always normalises with its running statistics (as BatchNorm does in eval
-  mode, whatever ``.train()`` says): the buffers are real, non-trivial (seeded,
-  not 0/1), saved, loaded, broadcast and compared, and the affine parameters
-  train.
+  normalises with its running statistics and updates them from a quantity every
+  replica shares: its own parameters (see the class). A strategy that loses
+  buffer updates, exports stale buffers or lets replicas' buffers drift apart
+  changes both the outputs and the final state.
 * ``frozen``: the MLP with its first layer frozen (``requires_grad=False``).
 * ``tied``: an encoder/decoder pair sharing one weight matrix, plus a head.
 * ``groups``: the MLP trained with two parameter groups (matrices: one lr and
@@ -35,16 +37,25 @@ from the same weights):
   ``param.ndim`` because the optimizer factory receives the parameters a
   strategy trains, without names (DTensor parameters keep their global shape,
   so the split is the same for sharded strategies).
+
+What a run asks of a strategy (:func:`needs`) is derived from the same
+description: the batch form, accumulation, clipping, resume, the model's
+features (:func:`unison.strategy.model_features`) and the precision. The
+comparison accepts a refusal only when one of those is declared refused.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
+
+from unison.ownership import Feature
+from unison.strategy import model_features
 
 #: The precision each scenario trains in, and the precisions the suite knows tolerances for.
 FP32, BF16_MIXED, FP16_MIXED = "32-true", "bf16-mixed", "16-mixed"
@@ -62,18 +73,33 @@ OVERFLOW_INPUT = 1.0e6
 # --------------------------------------------------------------------------- #
 
 
-class RunningStatsBatchNorm1d(torch.nn.BatchNorm1d):
-    """BatchNorm that always normalises with its running statistics.
+class DriftingBatchNorm1d(torch.nn.BatchNorm1d):
+    """BatchNorm whose buffers change at every training forward, the same way on every rank.
 
-    See the module docstring for why batch statistics cannot be compared with
-    a single-process reference on CPU. ``training`` still toggles with
-    ``.train()``/``.eval()`` but does not change the computation, so a strategy
-    that calls ``module.train()`` cannot silently switch to per-rank statistics.
+    In training mode each forward first counts itself in ``num_batches_tracked``
+    and moves the running statistics by ``momentum`` towards values computed
+    from the layer's own parameters (``running_mean`` towards ``bias``,
+    ``running_var`` towards ``1 + weight**2``). Parameters are equal on every
+    replica and in the reference, and every rank runs the forward of every
+    micro-batch (a slice of it), so the buffers evolve identically everywhere
+    although each rank sees different samples. Then it normalises with the
+    running statistics, as BatchNorm does in eval mode (see the module docstring
+    for why batch statistics cannot be compared on CPU). Eval-mode forwards
+    (validation) change nothing.
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                m = self.momentum if self.momentum is not None else 0.1
+                self.num_batches_tracked.add_(1)
+                self.running_mean.mul_(1 - m).add_(self.bias.detach().to(self.running_mean.dtype), alpha=m)
+                target_var = 1.0 + self.weight.detach().to(self.running_var.dtype).square()
+                self.running_var.mul_(1 - m).add_(target_var, alpha=m)
+        # Copies: the buffers change in place at the next micro-batch's forward,
+        # while a pipeline schedule may still hold this graph for its backward.
         return torch.nn.functional.batch_norm(
-            input, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+            input, self.running_mean.clone(), self.running_var.clone(), self.weight, self.bias, False, 0.0, self.eps
         )
 
 
@@ -93,23 +119,30 @@ class TiedAutoencoder(torch.nn.Module):
 
 def _mlp() -> torch.nn.Sequential:
     return torch.nn.Sequential(
-        torch.nn.Linear(IN_FEATURES, HIDDEN), torch.nn.Tanh(),
-        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(),
+        torch.nn.Linear(IN_FEATURES, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
         torch.nn.Linear(HIDDEN, 1),
     )
 
 
 def _batchnorm() -> torch.nn.Sequential:
     model = torch.nn.Sequential(
-        torch.nn.Linear(IN_FEATURES, HIDDEN), RunningStatsBatchNorm1d(HIDDEN), torch.nn.Tanh(),
+        torch.nn.Linear(IN_FEATURES, HIDDEN),
+        DriftingBatchNorm1d(HIDDEN),
+        torch.nn.Tanh(),
         torch.nn.Linear(HIDDEN, 1),
     )
     bn = model[1]
     with torch.no_grad():
-        # Non-trivial statistics: a strategy that drops or re-initialises
+        # Non-trivial statistics and affine parameters: the drift targets
+        # differ per feature, and a strategy that drops or re-initialises
         # buffers changes every output.
         bn.running_mean.uniform_(-0.5, 0.5)
         bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
         bn.num_batches_tracked.fill_(7)
     return model
 
@@ -136,6 +169,29 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
     return MODELS[name]()
 
 
+#: What ``replica_init`` scenarios perturb on every rank but 0.
+Perturbation = Literal["weights", "buffers"]
+
+
+def perturb(model: torch.nn.Module, what: Perturbation, rank: int) -> None:
+    """Move rank ``rank``'s copy away from rank 0's before the model is handed to the trainer.
+
+    The trained result must still equal the reference: whoever the declaration
+    says makes replicas equal (``Ownership.replica_init``) must do it.
+    """
+    g = torch.Generator().manual_seed(1000 + rank)
+    with torch.no_grad():
+        if what == "weights":
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        else:
+            for b in model.buffers():
+                if b.is_floating_point():
+                    b.mul_(1.5).add_(0.25)  # stays a valid (positive) variance
+                else:
+                    b.add_(3 + rank)
+
+
 # --------------------------------------------------------------------------- #
 # Optimizers and schedulers (factories: the strategy calls them with its params)
 # --------------------------------------------------------------------------- #
@@ -160,6 +216,9 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adamw_groups": lambda params: torch.optim.AdamW(_split_groups(params)),
 }
 
+#: The class each optimizer factory returns (named in what a run needs).
+_OPTIMIZER_CLASSES = {"sgd": "torch.optim.SGD", "adamw": "torch.optim.AdamW", "adamw_groups": "torch.optim.AdamW"}
+
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
     "warmup": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)),
@@ -169,6 +228,11 @@ SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
 def loss_fn(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean squared error in fp32 (autocast outputs are cast up first)."""
     return torch.nn.functional.mse_loss(outputs.float(), targets.float())
+
+
+def training_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The ``training_step`` form on dict batches: the same loss as :func:`loss_fn`."""
+    return loss_fn(model(batch["x"]), batch["y"])
 
 
 # --------------------------------------------------------------------------- #
@@ -203,6 +267,19 @@ def regression_data(n: int, seed: int = 123) -> TensorDataset:
     x = torch.randn(n, IN_FEATURES, generator=g)
     y = x @ torch.randn(IN_FEATURES, 1, generator=g) * 0.5 + 0.1 * torch.randn(n, 1, generator=g)
     return TensorDataset(x, y)
+
+
+class DictRegression(Dataset):
+    """The regression samples as ``{"x": ..., "y": ...}`` dicts (the ``training_step`` form)."""
+
+    def __init__(self, n: int) -> None:
+        self.x, self.y = regression_data(n).tensors
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "y": self.y[i]}
 
 
 def overflow_data(n: int, poison_index: int, seed: int = 123) -> TensorDataset:
@@ -259,6 +336,8 @@ class Run:
     same_as: tuple[str, ...] = ()
     #: Trainer settings this run changes (e.g. the unclipped control run).
     overrides: tuple[tuple[str, Any], ...] = ()
+    #: Perturb this on every rank but 0 before handing the model to the trainer.
+    perturb: Perturbation | None = None
 
 
 @dataclass(frozen=True)
@@ -272,8 +351,13 @@ class Scenario:
     optimizer: str = "adamw"
     scheduler: str | None = None
     max_steps: int = 6
-    data: Literal["regression", "overflow"] = "regression"
+    data: Literal["regression", "overflow", "dict"] = "regression"
+    #: The batch form: ``(inputs, targets)`` with ``loss_fn``, or dict batches with ``training_step``.
+    form: Literal["loss_fn", "training_step"] = "loss_fn"
     shuffle: bool = True
+    #: Save a checkpoint every N steps in every run; the canonical buffers are
+    #: recorded at each one and compared with the reference's at the same step.
+    checkpoint_every: int | None = None
     #: ``"train"``: runs with the trainer; ``"declarations"``: the precision
     #: declarations are checked by constructing trainers (no training at all).
     kind: Literal["train", "declarations"] = "train"
@@ -282,7 +366,8 @@ class Scenario:
     #: Premises checked on the reference, so a scenario cannot pass vacuously:
     #: ``"clips"`` (the pre-clip norm exceeds the clip value at every step,
     #: and the reference ends far from its unclipped control run),
-    #: ``"overflow"`` (exactly the poisoned step is skipped).
+    #: ``"overflow"`` (exactly the poisoned step is skipped),
+    #: ``"buffers_change"`` (every floating buffer moves at every recorded checkpoint).
     premises: tuple[str, ...] = ()
     #: Another scenario (same model, accumulation 1) whose gradient
     #: collectives per optimizer step this one must equal.
@@ -291,6 +376,13 @@ class Scenario:
         Run("main", "reference"),
         Run("main", "strategy", twin="main"),
     )
+
+    def run(self, backend: Backend, run_id: str) -> Run:
+        """The run ``run_id`` of ``backend`` (the tests execute single runs by name)."""
+        for r in self.runs:
+            if r.backend == backend and r.id == run_id:
+                return r
+        raise KeyError(f"scenario {self.name!r} has no {backend} run {run_id!r}")
 
     def steps_of(self, run: Run) -> int:
         return run.max_steps if run.max_steps is not None else self.max_steps
@@ -302,12 +394,14 @@ class Scenario:
         """The optimizer step whose global batch holds the overflow sample (shuffle is off)."""
         return 2
 
-    def dataset(self, sizing: Sizing) -> TensorDataset:
+    def dataset(self, sizing: Sizing) -> Dataset:
         n = sizing.dataset_size
         if self.data == "overflow":
             # With shuffle off, sample k*gbs is the first sample of step k:
             # rank 0's slice of the first micro-batch.
             return overflow_data(n, self.poison_step() * self.global_batch_size(sizing))
+        if self.data == "dict":
+            return DictRegression(n)
         return regression_data(n)
 
     def trainer_settings(self, sizing: Sizing, run: Run) -> dict[str, Any]:
@@ -320,8 +414,36 @@ class Scenario:
             "seed": 0,
             "shuffle": self.shuffle,
             "accelerator": "cpu",
+            # The suite's runs print nothing: its report is the output.
+            "progress": "off",
+            **({"checkpoint_every_n_steps": self.checkpoint_every} if self.checkpoint_every else {}),
             **dict(run.overrides),
         }
+
+
+def needs(scenario: Scenario, run: Run) -> dict[str, str]:
+    """What ``run`` asks of a strategy, each with why: :class:`~unison.ownership.Feature` values and
+    ``"precision:NAME"``. A strategy may refuse the run only if it declares one of these refused
+    (or the run's world size, checked separately)."""
+    out: dict[str, str] = {}
+    if scenario.form == "loss_fn":
+        out[Feature.LOSS_FN.value] = "the run trains (inputs, targets) batches with loss_fn"
+    else:
+        out[Feature.TRAINING_STEP.value] = "the run trains dict batches with training_step"
+    if scenario.accumulate_grad_batches > 1:
+        out[Feature.GRADIENT_ACCUMULATION.value] = f"accumulate_grad_batches={scenario.accumulate_grad_batches}"
+    clip = dict(run.overrides).get("grad_clip_norm", scenario.grad_clip_norm)
+    if clip is not None:
+        out[Feature.GRADIENT_CLIPPING.value] = f"grad_clip_norm={clip}"
+    if run.resume_from is not None:
+        out[Feature.RESUME.value] = f"resumes the checkpoint of {run.resume_from}"
+    for feature, evidence in model_features(build_model(scenario.model)).items():
+        out[feature.value] = f"model {scenario.model!r}: {evidence}"
+    out[f"precision:{scenario.precision}"] = f"precision={scenario.precision!r}"
+    # Every run trains with an optimizer from the factory; a strategy that runs
+    # its own optimizer may accept only some classes (its reason names them).
+    out[Feature.ANY_OPTIMIZER.value] = f"optimizer {scenario.optimizer!r} ({_OPTIMIZER_CLASSES[scenario.optimizer]})"
+    return out
 
 
 RESUME_AT = 3
@@ -339,63 +461,147 @@ def _resume_runs() -> tuple[Run, ...]:
     )
 
 
+def _clip_runs() -> tuple[Run, ...]:
+    return (
+        Run("main", "reference"),
+        # The control: without clipping the reference must end elsewhere,
+        # or "clipping" clipped nothing (the pre-clip norm alone cannot tell).
+        Run("unclipped", "reference", overrides=(("grad_clip_norm", None),)),
+        Run("main", "strategy", twin="main"),
+    )
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
-        "plain", "MLP, fp32, one micro-batch per step, SGD with momentum",
-        model="mlp", optimizer="sgd",
+        "plain",
+        "MLP, fp32, one micro-batch per step, SGD with momentum",
+        model="mlp",
+        optimizer="sgd",
     ),
     Scenario(
-        "accumulation", "MLP, 4 micro-batches per optimizer step: gradient sync only at the boundary",
-        model="mlp", optimizer="sgd", accumulate_grad_batches=4, same_sync_as="plain",
+        "accumulation",
+        "MLP, 4 micro-batches per optimizer step: gradients synchronised as the strategy declares (at the "
+        "boundary only, or at every micro-step)",
+        model="mlp",
+        optimizer="sgd",
+        accumulate_grad_batches=4,
+        same_sync_as="plain",
     ),
     Scenario(
-        "clipping", "tied weights, clip by global norm at a value every step exceeds",
-        model="tied", optimizer="sgd", accumulate_grad_batches=2, grad_clip_norm=0.05, premises=("clips",),
-        runs=(
-            Run("main", "reference"),
-            # The control: without clipping the reference must end elsewhere,
-            # or "clipping" clipped nothing (the pre-clip norm alone cannot tell).
-            Run("unclipped", "reference", overrides=(("grad_clip_norm", None),)),
-            Run("main", "strategy", twin="main"),
-        ),
+        "training_step",
+        "dict batches trained with training_step(model, batch), accumulation 2",
+        model="mlp",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        data="dict",
+        form="training_step",
     ),
     Scenario(
-        "lr_scheduler", "two parameter groups (lr, weight decay) under a StepLR schedule",
-        model="groups", optimizer="adamw_groups", scheduler="step", accumulate_grad_batches=2,
+        "clipping",
+        "MLP, clip by global norm at a value every step exceeds, accumulation 2",
+        model="mlp",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        grad_clip_norm=0.1,
+        premises=("clips",),
+        runs=_clip_runs(),
     ),
     Scenario(
-        "buffers", "BatchNorm running statistics as buffers, accumulation 2",
-        model="batchnorm", optimizer="sgd", accumulate_grad_batches=2,
+        "tied_weights",
+        "tied weights (one matrix under two names) clipped by global norm: the tie counted once",
+        model="tied",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        grad_clip_norm=0.05,
+        premises=("clips",),
+        runs=_clip_runs(),
     ),
     Scenario(
-        "frozen", "first layer frozen, clipping on, accumulation 2",
-        model="frozen", optimizer="adamw", accumulate_grad_batches=2, grad_clip_norm=1.0,
+        "lr_scheduler",
+        "two parameter groups (lr, weight decay) under a StepLR schedule",
+        model="groups",
+        optimizer="adamw_groups",
+        scheduler="step",
+        accumulate_grad_batches=2,
     ),
     Scenario(
-        "bf16_mixed", "bf16 autocast (or the engine's bf16), accumulation 2",
+        "buffers",
+        "BatchNorm buffers (running statistics, step counter) that change at every step, accumulation 2; "
+        "compared at every checkpoint and at the end",
+        model="batchnorm",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        checkpoint_every=2,
+        premises=("buffers_change",),
+    ),
+    Scenario(
+        "frozen",
+        "first layer frozen, clipping on, accumulation 2",
+        model="frozen",
+        optimizer="adamw",
+        accumulate_grad_batches=2,
+        grad_clip_norm=1.0,
+    ),
+    Scenario(
+        "replica_init",
+        "every rank but 0 starts from perturbed weights: replicas must still train like the reference "
+        "(whoever the declaration says makes them equal)",
+        model="mlp",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        runs=(Run("main", "reference"), Run("main", "strategy", twin="main", perturb="weights")),
+    ),
+    Scenario(
+        "replica_init_buffers",
+        "every rank but 0 starts from perturbed buffers (running statistics, step counter)",
+        model="batchnorm",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        runs=(Run("main", "reference"), Run("main", "strategy", twin="main", perturb="buffers")),
+    ),
+    Scenario(
+        "bf16_mixed",
+        "bf16 autocast (or the engine's bf16), accumulation 2",
         # SGD, not Adam: Adam's first update is lr * sign(g), so a gradient
         # element near zero whose sign bf16 rounding flips (summation order
         # differs with the number of ranks) moves by 2 * lr and the
         # comparison measures the sign of noise, not the backend. SGD's update
         # is proportional to the gradient, so bf16 rounding stays bf16-sized.
-        model="mlp", precision=BF16_MIXED, optimizer="sgd", accumulate_grad_batches=2,
+        model="mlp",
+        precision=BF16_MIXED,
+        optimizer="sgd",
+        accumulate_grad_batches=2,
     ),
     Scenario(
         "fp16_overflow",
         "fp16 with loss scaling; one sample's inputs overflow fp16 in the forward: that step is skipped "
         "and the scheduler does not advance",
-        model="mlp", precision=FP16_MIXED, optimizer="sgd", scheduler="warmup", accumulate_grad_batches=2,
-        data="overflow", shuffle=False, premises=("overflow",),
+        model="mlp",
+        precision=FP16_MIXED,
+        optimizer="sgd",
+        scheduler="warmup",
+        accumulate_grad_batches=2,
+        data="overflow",
+        shuffle=False,
+        premises=("overflow",),
     ),
     Scenario(
-        "resume", "save at step 3, resume to step 6: equals the uninterrupted run (frozen layer, warmup)",
-        model="frozen", optimizer="adamw", scheduler="warmup", accumulate_grad_batches=2, runs=_resume_runs(),
+        "resume",
+        "save at step 3, resume to step 6: equals the uninterrupted run (frozen layer, warmup)",
+        model="frozen",
+        optimizer="adamw",
+        scheduler="warmup",
+        accumulate_grad_batches=2,
+        runs=_resume_runs(),
     ),
     Scenario(
         "cross_resume",
         "a checkpoint of the strategy resumes under single, and a checkpoint of single under the strategy "
         "(parameter groups, StepLR)",
-        model="groups", optimizer="adamw_groups", scheduler="step", accumulate_grad_batches=2,
+        model="groups",
+        optimizer="adamw_groups",
+        scheduler="step",
+        accumulate_grad_batches=2,
         runs=(
             Run("full", "reference"),
             Run("part", "reference", max_steps=RESUME_AT, save=True),
@@ -410,8 +616,11 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "reshard",
         "save at the main world size, resume at another world size with the same strategy and with single "
-        "(declared reshardable)",
-        model="batchnorm", optimizer="adamw", scheduler="step", accumulate_grad_batches=2,
+        "(declared reshardable; changing buffers)",
+        model="batchnorm",
+        optimizer="adamw",
+        scheduler="step",
+        accumulate_grad_batches=2,
         requires_reshardable=True,
         runs=(
             Run("full", "reference"),
@@ -430,7 +639,8 @@ SCENARIOS: tuple[Scenario, ...] = (
         "unsupported_precision",
         "every precision declared unsupported raises a ConfigurationError naming it when the Trainer is "
         "built (before any process group); every precision declared supported is accepted",
-        kind="declarations", runs=(),
+        kind="declarations",
+        runs=(),
     ),
 )
 
@@ -455,6 +665,20 @@ def select(names: Sequence[str] | None) -> tuple[Scenario, ...]:
 
 
 __all__ = [
-    "MODELS", "OPTIMIZERS", "SCENARIOS", "SCENARIOS_BY_NAME", "SCHEDULERS", "Run", "Scenario", "Sizing",
-    "build_model", "default_alt_world_size", "loss_fn", "select",
+    "MODELS",
+    "OPTIMIZERS",
+    "SCENARIOS",
+    "SCENARIOS_BY_NAME",
+    "SCHEDULERS",
+    "DriftingBatchNorm1d",
+    "Run",
+    "Scenario",
+    "Sizing",
+    "build_model",
+    "default_alt_world_size",
+    "loss_fn",
+    "needs",
+    "perturb",
+    "select",
+    "training_step",
 ]

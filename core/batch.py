@@ -13,8 +13,8 @@ The trainer never assumes a batch is ``(inputs, targets)`` except in the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -91,9 +91,7 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
             "batch", f"a batch of {size} rows does not split into {parts} equal parts", "use a divisible batch size"
         )
     step = size // parts
-    return [
-        map_tensors(lambda t, i=i: t[i * step : (i + 1) * step] if t.dim() > 0 else t, batch) for i in range(parts)
-    ]
+    return [map_tensors(lambda t, i=i: t[i * step : (i + 1) * step] if t.dim() > 0 else t, batch) for i in range(parts)]
 
 
 def count_tokens(batch: Any) -> int | None:

@@ -156,7 +156,6 @@ class Checkpointer:
         checkpoint elsewhere, into a root that holds committed checkpoints is
         refused: its saves would replace and prune the other run's.
         """
-        self.storage.check(self.root)  # unreachable or refused object storage: fail before training
         if ckpt_path is not None and str(ckpt_path) in ("auto", "last"):
             return
         existing = self.committed()
@@ -173,6 +172,42 @@ class Checkpointer:
             "resume that run with ckpt_path='auto' (`unison train --resume auto`), or give this run its own "
             "checkpoint_dir, or delete the old checkpoints",
         )
+
+    def preflight(self, ckpt_path: str | os.PathLike[str] | None, max_steps: int | None) -> None:
+        """Checks a run makes before any process group exists (on every rank, local reads only).
+
+        * the root can be created and written (a probe file is written and
+          removed), so an unwritable ``checkpoint_dir`` fails now, not at the
+          first save after training;
+        * ``"last"`` needs a committed checkpoint (``"auto"`` is the form that
+          starts fresh when there is none);
+        * the checkpoint a run would resume from must not lie beyond
+          ``max_steps`` (its manifest's step; verification comes later, on load).
+        """
+        self.storage.check(self.root)  # object storage: refused credentials, no bucket, no endpoint, named
+        probe = self.root / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            self.storage.make_dir(self.root)
+            self.storage.write_text(probe, "probe", sync=False)
+            self.storage.remove_file(probe)
+        except OSError as exc:
+            raise ConfigurationError(
+                "checkpoint_dir", f"{self.root} cannot be written ({type(exc).__name__}: {exc})",
+                "choose a directory this process can create and write",
+            ) from exc
+        if ckpt_path is None:
+            return
+        readable = [c for c in self.committed() if c.manifest is not None]
+        if str(ckpt_path) == "last" and not readable:
+            raise ConfigurationError(
+                "ckpt_path", f"'last' but {self.root} holds no committed checkpoint",
+                "use ckpt_path='auto' (`--resume auto`), which starts fresh when there is none",
+            )
+        if str(ckpt_path) in ("last", "auto"):
+            resume_step = readable[-1].manifest.step if readable else None  # type: ignore[union-attr]
+        else:
+            resume_step = resume_point(ckpt_path, self.storage)
+        check_resume_step(resume_step, max_steps)
 
     def select(self, ckpt_path: str | os.PathLike[str]) -> Committed | None:
         """The checkpoint to resume from, verified (collective: call on every rank).
@@ -359,6 +394,35 @@ class Checkpointer:
     def _warn(self, message: str) -> None:
         if rank() == 0:
             warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+def resume_point(ckpt_path: str | os.PathLike[str], storage: LocalStorage | None = None) -> int:
+    """The step a checkpoint path resumes at, from its manifest; a ConfigurationError when it is no checkpoint.
+
+    Read before any process group exists; the files are verified on load.
+    """
+    path = Path(ckpt_path)
+    if storage is None:
+        path, storage = open_storage(ckpt_path)  # a URL (s3://...) is read from its object storage
+    if not storage.exists(path / MANIFEST):
+        what = "does not exist" if not storage.exists(path) else f"is not a committed unison checkpoint (no {MANIFEST})"
+        raise ConfigurationError(
+            "ckpt_path", f"{path} {what}",
+            "pass a committed step-NNNNNNNN directory (see `unison checkpoint inspect DIR`), or 'auto'",
+        )
+    try:
+        return Manifest.read(storage, path).step
+    except CheckpointError as exc:
+        raise ConfigurationError("ckpt_path", f"{path}: {exc}", "pass another committed checkpoint, or 'auto'") from exc
+
+
+def check_resume_step(resume_step: int | None, max_steps: int | None) -> None:
+    """A run resumed at ``resume_step`` must have steps left (``max_steps`` at or beyond it)."""
+    if resume_step is not None and max_steps is not None and resume_step > max_steps:
+        raise ConfigurationError(
+            "max_steps", f"the checkpoint resumes at step {resume_step}, beyond max_steps={max_steps}",
+            f"set max_steps to at least {resume_step}, or start without ckpt_path",
+        )
 
 
 def _rng_file(directory: Path, rank_: int) -> Path:

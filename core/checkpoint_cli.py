@@ -79,7 +79,8 @@ def inspect(location: str) -> None:
         console.print(
             f"{target.name}{mark}  commit {m.commit}  step {m.step}  {m.strategy}  world {m.world_size}  "
             f"{m.precision}  {len(m.files)} files  {_size(m.total_bytes)}  run {m.run}  {m.created}",
-            highlight=False, soft_wrap=True,
+            highlight=False,
+            soft_wrap=True,
         )
         if not is_root:
             console.print(f"unison {m.unison_version}, torch {m.torch_version}", highlight=False)
@@ -102,8 +103,9 @@ def verify_cmd(location: str) -> None:
             failed += 1
             console.print(f"[red]FAIL[/] {exc}", highlight=False)
             continue
-        console.print(f"[green]ok[/]   {target}: {len(m.files)} files, {_size(m.total_bytes)}, step {m.step}",
-                      highlight=False)
+        console.print(
+            f"[green]ok[/]   {target}: {len(m.files)} files, {_size(m.total_bytes)}, step {m.step}", highlight=False
+        )
     if failed:
         sys.exit(1)
 

@@ -48,11 +48,12 @@ import importlib
 import importlib.util
 import inspect
 import sys
-import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import pydantic
+import tomllib
 import torch
 import yaml
 
@@ -128,10 +129,10 @@ class LoggingConfig(_Strict):
     """Log each fit as a W&B run, offline by default (``[logging.wandb]``; needs ``unison[wandb]``)."""
 
     @pydantic.model_validator(mode="after")
-    def _file_loggers_need_dir(self) -> "LoggingConfig":
+    def _file_loggers_need_dir(self) -> LoggingConfig:
         enabled = [n for n in ("jsonl", "csv", "tensorboard") if getattr(self, n)] + (["wandb"] if self.wandb else [])
         if enabled and self.dir is None:
-            raise ValueError(f"{', '.join(enabled)} write into a run directory: set dir (e.g. dir = \"runs/NAME\")")
+            raise ValueError(f'{", ".join(enabled)} write into a run directory: set dir (e.g. dir = "runs/NAME")')
         return self
 
 
@@ -150,7 +151,7 @@ class RunConfig(_Strict):
     """Plugins to register (built-in or third-party callbacks): ``factory(**kwargs)`` each."""
 
     @pydantic.model_validator(mode="after")
-    def _one_form(self) -> "RunConfig":
+    def _one_form(self) -> RunConfig:
         if (self.loss is None) == (self.training_step is None):
             raise ValueError("give exactly one of the [loss] and [training_step] sections")
         return self
@@ -171,8 +172,9 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tu
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigurationError(str(path), f"YAML syntax error{where}: {getattr(exc, 'problem', exc)}",
-                                 "fix the file at that line") from None
+        raise ConfigurationError(
+            str(path), f"YAML syntax error{where}: {getattr(exc, 'problem', exc)}", "fix the file at that line"
+        ) from None
     if not isinstance(raw, dict):
         raise ConfigurationError(str(path), "the config is not a table of sections", "see unison.config for the layout")
     if overrides:
@@ -184,8 +186,9 @@ def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tu
         key = ".".join(str(p) for p in err["loc"]) or "(top level)"
         fix = "remove or rename it" if err["type"] == "extra_forbidden" else "see the documented keys in unison.config"
         got = f" (got {err['input']!r})" if err["loc"] and err["type"] != "missing" else ""
-        raise ConfigurationError(f"config key {key} in {path}", err["msg"].removeprefix("Value error, ") + got,
-                                 fix) from None
+        raise ConfigurationError(
+            f"config key {key} in {path}", err["msg"].removeprefix("Value error, ") + got, fix
+        ) from None
 
 
 def resolve_factory(spec: str, base: Path, key: str = "factory") -> Callable[..., Any]:
@@ -214,7 +217,9 @@ def resolve_factory(spec: str, base: Path, key: str = "factory") -> Callable[...
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as exc:
-            raise ConfigurationError(key, f"{spec!r}: no module {exc.name!r}", "check the module name, or install it") from None
+            raise ConfigurationError(
+                key, f"{spec!r}: no module {exc.name!r}", "check the module name, or install it"
+            ) from None
     try:
         return getattr(module, attr)
     except AttributeError:
@@ -236,7 +241,9 @@ def check_kwargs(factory: Callable[..., Any], kwargs: dict[str, Any], key: str) 
         unknown = [k for k in kwargs if k not in signature.parameters]
         close = difflib.get_close_matches(unknown[0], params, n=1) if unknown else []
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigurationError(key, f"{exc}{hint}", f"use the factory's keywords: {', '.join(params) or 'none'}") from None
+        raise ConfigurationError(
+            key, f"{exc}{hint}", f"use the factory's keywords: {', '.join(params) or 'none'}"
+        ) from None
 
 
 def build_callbacks(config: RunConfig, base: Path) -> list[Any]:
@@ -278,26 +285,34 @@ def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
         try:
             cls = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
-            raise ConfigurationError(option, f"cannot import {name!r} ({type(exc).__name__}: {exc})",
-                                     "write 'package.module:Class' naming an importable optimizer class") from None
+            raise ConfigurationError(
+                option,
+                f"cannot import {name!r} ({type(exc).__name__}: {exc})",
+                "write 'package.module:Class' naming an importable optimizer class",
+            ) from None
     elif name.startswith("apex."):
         cls = _apex_optimizer(name.removeprefix("apex."))
     else:
         cls = getattr(torch.optim, name, None)
         if cls is None:
-            raise ConfigurationError(option, f"torch.optim has no {name!r}",
-                                     "use e.g. 'AdamW' or 'SGD', 'apex.FusedAdam', or 'package.module:Class'")
+            raise ConfigurationError(
+                option,
+                f"torch.optim has no {name!r}",
+                "use e.g. 'AdamW' or 'SGD', 'apex.FusedAdam', or 'package.module:Class'",
+            )
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigurationError(option, f"{name!r} is not a torch.optim.Optimizer subclass",
-                                 "name an optimizer class")
+        raise ConfigurationError(option, f"{name!r} is not a torch.optim.Optimizer subclass", "name an optimizer class")
     return cls
 
 
 def _apex_optimizer(attr: str) -> Any:
     """``apex.optimizers.<attr>``, or a ConfigurationError saying what is missing."""
-    option, fix = "optimizer.name", (
-        "build NVIDIA apex from https://github.com/NVIDIA/apex with its CUDA extensions, or use a torch.optim name "
-        "such as 'AdamW'"
+    option, fix = (
+        "optimizer.name",
+        (
+            "build NVIDIA apex from https://github.com/NVIDIA/apex with its CUDA extensions, or use a torch.optim name "
+            "such as 'AdamW'"
+        ),
     )
     try:
         installed = importlib.util.find_spec("apex") is not None
@@ -344,6 +359,7 @@ def resolve_run(config: RunConfig, base: Path) -> dict[str, Any]:
     else:
         assert config.training_step is not None
         form = {"training_step": resolve_factory(config.training_step.factory, base, "training_step.factory")}
+
     def build_model() -> Any:
         try:
             return model(**config.model.kwargs)

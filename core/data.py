@@ -46,12 +46,12 @@ from __future__ import annotations
 import contextlib
 import itertools
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, default_collate
+from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate
 
 from unison.batch import batch_size, count_tokens
 from unison.errors import ConfigurationError
@@ -128,8 +128,9 @@ class BatchPlan:
 
     def local_micro_indices(self, step: int) -> list[list[int]]:
         """This replica's slice of each micro-batch of step ``step``."""
-        return local_slices(self.global_indices(step), self.accumulate_grad_batches, self.data_parallel_size,
-                            self.data_parallel_rank)
+        return local_slices(
+            self.global_indices(step), self.accumulate_grad_batches, self.data_parallel_size, self.data_parallel_rank
+        )
 
 
 def local_slices(global_batch: Sequence[Any], accumulate: int, replicas: int, rank: int) -> list[list[Any]]:
@@ -177,11 +178,7 @@ def validation_batches(
 
 def is_map_style(source: Any) -> bool:
     """``len`` and ``__getitem__`` and not declared iterable-style."""
-    return (
-        not isinstance(source, IterableDataset)
-        and hasattr(source, "__getitem__")
-        and hasattr(source, "__len__")
-    )
+    return not isinstance(source, IterableDataset) and hasattr(source, "__getitem__") and hasattr(source, "__len__")
 
 
 @dataclass(frozen=True)
@@ -198,8 +195,12 @@ class LoaderOptions:
     def kwargs(self) -> dict[str, Any]:
         out: dict[str, Any] = {"num_workers": self.num_workers, "pin_memory": self.pin_memory}
         if self.num_workers:
-            out.update(prefetch_factor=self.prefetch_factor, persistent_workers=self.persistent_workers,
-                       worker_init_fn=self.worker_init_fn, multiprocessing_context=self.multiprocessing_context)
+            out.update(
+                prefetch_factor=self.prefetch_factor,
+                persistent_workers=self.persistent_workers,
+                worker_init_fn=self.worker_init_fn,
+                multiprocessing_context=self.multiprocessing_context,
+            )
         return out
 
 
@@ -212,17 +213,26 @@ def resolve_source(
     settings; its ``batch_size``, ``sampler`` and ``shuffle`` are replaced by
     the trainer's global-batch-invariant sampling (see the module doc).
     """
-    options = LoaderOptions(settings.num_workers, settings.pin_memory, settings.prefetch_factor,
-                            settings.persistent_workers)
+    options = LoaderOptions(
+        settings.num_workers, settings.pin_memory, settings.prefetch_factor, settings.persistent_workers
+    )
     if isinstance(data, DataLoader):
         if collate_fn is None and data.collate_fn is not default_collate and not _is_default_convert(data.collate_fn):
             collate_fn = data.collate_fn
         options = LoaderOptions(
-            data.num_workers, data.pin_memory, data.prefetch_factor if data.num_workers else None,
-            data.persistent_workers, data.worker_init_fn, data.multiprocessing_context,
+            data.num_workers,
+            data.pin_memory,
+            data.prefetch_factor if data.num_workers else None,
+            data.persistent_workers,
+            data.worker_init_fn,
+            data.multiprocessing_context,
         )
         data = data.dataset
-    if data is None or isinstance(data, (str, bytes, torch.Tensor)) or not isinstance(data, Iterable) and not is_map_style(data):
+    if (
+        data is None
+        or isinstance(data, (str, bytes, torch.Tensor))
+        or (not isinstance(data, Iterable) and not is_map_style(data))
+    ):
         raise ConfigurationError(
             what,
             f"{type(data).__name__} is not a dataset",
@@ -269,18 +279,34 @@ class _StreamMicroBatches(IterableDataset):
     Steps before ``start_step`` are read but not collated (exact resume).
     """
 
-    def __init__(self, source: Any, collate_fn: CollateFn, global_batch_size: int, accumulate: int, replicas: int,
-                 rank: int, start_step: int, end_step: int | None, end_epoch: int | None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        collate_fn: CollateFn,
+        global_batch_size: int,
+        accumulate: int,
+        replicas: int,
+        rank: int,
+        start_step: int,
+        end_step: int | None,
+        end_epoch: int | None,
+    ) -> None:
         self.source, self.collate_fn = source, collate_fn
-        self.global_batch_size, self.accumulate, self.replicas, self.rank = global_batch_size, accumulate, replicas, rank
+        self.global_batch_size, self.accumulate, self.replicas, self.rank = (
+            global_batch_size,
+            accumulate,
+            replicas,
+            rank,
+        )
         self.start_step, self.end_step, self.end_epoch = start_step, end_step, end_epoch
 
     def __iter__(self) -> Iterator[tuple[int, int, int, Any]]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         with _whole_stream_reader():
-            for step, epoch, samples in stream_global_batches(self.source, self.global_batch_size, self.end_step,
-                                                              self.end_epoch):
+            for step, epoch, samples in stream_global_batches(
+                self.source, self.global_batch_size, self.end_step, self.end_epoch
+            ):
                 if step < self.start_step:
                     continue
                 for m, part in enumerate(local_slices(samples, self.accumulate, self.replicas, self.rank)):
@@ -309,8 +335,9 @@ def _whole_stream_reader() -> Iterator[None]:
         worker._worker_info = saved
 
 
-def stream_global_batches(source: Any, global_batch_size: int, end_step: int | None = None,
-                          end_epoch: int | None = None) -> Iterator[tuple[int, int, list[Any]]]:
+def stream_global_batches(
+    source: Any, global_batch_size: int, end_step: int | None = None, end_epoch: int | None = None
+) -> Iterator[tuple[int, int, list[Any]]]:
     """``(step, epoch, samples)`` for every complete global batch of the stream, pass after pass."""
     step = 0
     for epoch in itertools.count():
@@ -368,19 +395,34 @@ class TrainData:
         token_counter: the token rule (default :func:`unison.batch.count_tokens`).
     """
 
-    def __init__(self, source: Any, collate_fn: CollateFn | None, settings: TrainerSettings, *,
-                 data_parallel_size: int, data_parallel_rank: int,
-                 to_device: Callable[[Any], Any] | None = None,
-                 token_counter: Callable[[Any], int | None] | None = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        collate_fn: CollateFn | None,
+        settings: TrainerSettings,
+        *,
+        data_parallel_size: int,
+        data_parallel_rank: int,
+        to_device: Callable[[Any], Any] | None = None,
+        token_counter: Callable[[Any], int | None] | None = None,
+    ) -> None:
         self.settings = settings
         self.dataset, self.collate_fn, self.options = resolve_source(source, collate_fn, settings)
         self.map_style = is_map_style(self.dataset)
         self.replicas, self.rank = data_parallel_size, data_parallel_rank
         check_divisible(settings.global_batch_size, settings.accumulate_grad_batches, data_parallel_size)
         self.plan = (
-            BatchPlan(len(self.dataset), settings.global_batch_size, settings.accumulate_grad_batches,
-                      data_parallel_size, data_parallel_rank, settings.seed, settings.shuffle)
-            if self.map_style else None
+            BatchPlan(
+                len(self.dataset),
+                settings.global_batch_size,
+                settings.accumulate_grad_batches,
+                data_parallel_size,
+                data_parallel_rank,
+                settings.seed,
+                settings.shuffle,
+            )
+            if self.map_style
+            else None
         )
         self.to_device = to_device or (lambda batch: batch)
         self.token_counter = token_counter or count_tokens
@@ -430,11 +472,24 @@ class TrainData:
         kwargs = self.options.kwargs()
         if self.plan is not None:
             assert end_step is not None
-            return DataLoader(self.dataset, batch_sampler=_MicroBatchSampler(self.plan, start_step, end_step),
-                              collate_fn=self.collate_fn, generator=generator, **kwargs)
-        stream = _StreamMicroBatches(self.dataset, self.collate_fn, s.global_batch_size, s.accumulate_grad_batches,
-                                     self.replicas, self.rank, start_step, end_step,
-                                     s.max_epochs if s.max_steps is None else None)
+            return DataLoader(
+                self.dataset,
+                batch_sampler=_MicroBatchSampler(self.plan, start_step, end_step),
+                collate_fn=self.collate_fn,
+                generator=generator,
+                **kwargs,
+            )
+        stream = _StreamMicroBatches(
+            self.dataset,
+            self.collate_fn,
+            s.global_batch_size,
+            s.accumulate_grad_batches,
+            self.replicas,
+            self.rank,
+            start_step,
+            end_step,
+            s.max_epochs if s.max_steps is None else None,
+        )
         return DataLoader(stream, batch_size=None, generator=generator, **kwargs)
 
     def steps(self, start_step: int) -> Iterator[StepBatch]:
@@ -460,8 +515,13 @@ class TrainData:
                 counts = [self.token_counter(b) for b in batches]
                 tokens = None if any(c is None for c in counts) else sum(counts)  # type: ignore[misc]
                 pin = self.options.pin_memory
-                yield StepBatch(step, epoch, [self.to_device(b, non_blocking=pin) if pin else self.to_device(b)
-                                              for b in batches], last, tokens)
+                yield StepBatch(
+                    step,
+                    epoch,
+                    [self.to_device(b, non_blocking=pin) if pin else self.to_device(b) for b in batches],
+                    last,
+                    tokens,
+                )
                 del batches
         finally:
             self.close()
@@ -496,8 +556,11 @@ class TrainData:
     # -- position ------------------------------------------------------------------- #
     def state_dict(self, step: int) -> dict[str, Any]:
         """What a checkpoint records about the data position (the global step is the position)."""
-        return {"step": step, "map_style": self.map_style,
-                "dataset_size": len(self.dataset) if self.map_style else None}
+        return {
+            "step": step,
+            "map_style": self.map_style,
+            "dataset_size": len(self.dataset) if self.map_style else None,
+        }
 
     def check_resume(self, state: dict[str, Any] | None) -> None:
         """Warn when a resumed run's data is not the data its checkpoint was trained on."""
@@ -516,8 +579,9 @@ class TrainData:
 # --------------------------------------------------------------------------- #
 
 
-def validation_stream(source: Any, collate_fn: CollateFn, batch_size: int, replicas: int, rank: int,
-                      options: LoaderOptions, seed: int) -> Iterator[tuple[Any, int]]:
+def validation_stream(
+    source: Any, collate_fn: CollateFn, batch_size: int, replicas: int, rank: int, options: LoaderOptions, seed: int
+) -> Iterator[tuple[Any, int]]:
     """This replica's ``(batch, weight)`` validation batches; every replica yields the same count.
 
     Weight is the number of real samples in the batch (0 for the one-sample
@@ -527,8 +591,13 @@ def validation_stream(source: Any, collate_fn: CollateFn, batch_size: int, repli
         plan = validation_batches(len(source), batch_size, replicas, rank)
         if not plan:
             return
-        loader = DataLoader(source, batch_sampler=[indices for indices, _ in plan], collate_fn=collate_fn,
-                            generator=torch.Generator().manual_seed(seed), **options.kwargs())
+        loader = DataLoader(
+            source,
+            batch_sampler=[indices for indices, _ in plan],
+            collate_fn=collate_fn,
+            generator=torch.Generator().manual_seed(seed),
+            **options.kwargs(),
+        )
         for (_, weight), batch in zip(plan, loader):
             yield batch, weight
         return

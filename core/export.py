@@ -48,13 +48,12 @@ def canonical_state(path: str | Path, storage: LocalStorage | None = None) -> di
         # DCP warns that it runs without a process group: that is the intent here.
         warnings.filterwarnings("ignore", message=".*torch.distributed.*")
         dcp.load(wanted, storage_reader=dcp.FileSystemReader(str(state_dir)), no_dist=True)
-    return {
-        key[len(_PREFIX):]: (t.float() if t.is_floating_point() else t).contiguous()
-        for key, t in wanted.items()
-    }
+    return {key[len(_PREFIX) :]: (t.float() if t.is_floating_point() else t).contiguous() for key, t in wanted.items()}
 
 
-def export_safetensors(path: str | Path, out: str | Path, storage: LocalStorage | None = None) -> dict[str, torch.Tensor]:
+def export_safetensors(
+    path: str | Path, out: str | Path, storage: LocalStorage | None = None
+) -> dict[str, torch.Tensor]:
     """Write the canonical weights of the checkpoint at ``path`` to ``out`` (safetensors); returns them."""
     from safetensors.torch import save_file
 
@@ -63,6 +62,14 @@ def export_safetensors(path: str | Path, out: str | Path, storage: LocalStorage 
     storage = storage or LocalStorage()
     state = canonical_state(path, storage)
     manifest = Manifest.read(storage, Path(path))
-    save_file(state, str(out), metadata={"unison_step": str(manifest.step), "unison_strategy": manifest.strategy,
-                                         "unison_run": manifest.run, "format": "pt"})
+    save_file(
+        state,
+        str(out),
+        metadata={
+            "unison_step": str(manifest.step),
+            "unison_strategy": manifest.strategy,
+            "unison_run": manifest.run,
+            "format": "pt",
+        },
+    )
     return state

@@ -73,7 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 @hookspec
-def unison_strategies() -> "list[StrategySpec]":
+def unison_strategies() -> list[StrategySpec]:
     """Register strategies by name.
 
     Called by :class:`~unison.manager.PluginManager` through pluggy when its
@@ -91,7 +91,7 @@ def unison_strategies() -> "list[StrategySpec]":
 
 
 @hookspec
-def unison_precisions() -> "list[PrecisionSpec]":
+def unison_precisions() -> list[PrecisionSpec]:
     """Register precision plugins by name (``"bf16-mixed"``, or a third party's own name).
 
     Called by :class:`~unison.manager.PluginManager` like
@@ -110,14 +110,15 @@ def unison_add_cli_commands(cli: Any) -> None:
     """Add subcommands to the ``unison`` command line.
 
     Called once by :func:`unison.cli.main` before parsing arguments (in the
-    launching process, before any rank exists), with the root :class:`click.Group`; add commands with ``cli.add_command(...)``. The
+    launching process, before any rank exists), with the root :class:`click.Group`; add commands with
+    ``cli.add_command(...)``. The
     conformance suite adds ``unison conformance`` this way, so the core never
     imports it. Return value ignored.
     """
 
 
 @hookspec
-def unison_plugins_from_config(config: Any) -> "list[Any]":
+def unison_plugins_from_config(config: Any) -> list[Any]:
     """Build plugins (loggers, callbacks) that a config file asks for.
 
     Called by ``unison train`` once per process (every rank, and the launcher
@@ -132,7 +133,7 @@ def unison_plugins_from_config(config: Any) -> "list[Any]":
 
 
 @hookspec
-def unison_cluster_environments() -> "list[ClusterEnvironment]":
+def unison_cluster_environments() -> list[ClusterEnvironment]:
     """Register cluster environments: how torchrun on this node joins a job of several nodes.
 
     Called by ``unison run`` and ``unison train`` (:func:`unison.launch.run_script`
@@ -155,7 +156,7 @@ def unison_cluster_environments() -> "list[ClusterEnvironment]":
 
 
 @hookspec
-def unison_on_fit_start(trainer: "Trainer") -> None:
+def unison_on_fit_start(trainer: Trainer) -> None:
     """After the strategy set up model and optimizer, before the first step.
 
     Called by :meth:`Trainer.fit` on every rank, once per ``fit``.
@@ -164,7 +165,7 @@ def unison_on_fit_start(trainer: "Trainer") -> None:
 
 
 @hookspec
-def unison_on_fit_end(trainer: "Trainer") -> None:
+def unison_on_fit_end(trainer: Trainer) -> None:
     """After the last optimizer step and final checkpoint, on every rank.
 
     Called by :meth:`Trainer.fit` once, when training ended normally
@@ -173,7 +174,7 @@ def unison_on_fit_end(trainer: "Trainer") -> None:
 
 
 @hookspec
-def unison_on_exception(trainer: "Trainer", exception: BaseException) -> None:
+def unison_on_exception(trainer: Trainer, exception: BaseException) -> None:
     """When ``fit`` is leaving because of an exception, on the failing rank.
 
     Called by :meth:`Trainer.fit` before the exception propagates. No
@@ -185,7 +186,7 @@ def unison_on_exception(trainer: "Trainer", exception: BaseException) -> None:
 
 
 @hookspec
-def unison_on_train_epoch_start(trainer: "Trainer", epoch: int) -> None:
+def unison_on_train_epoch_start(trainer: Trainer, epoch: int) -> None:
     """Before the first optimizer step of an epoch (a pass over the dataset).
 
     Called by :meth:`Trainer.fit` on every rank; ``epoch`` is 0-based. When a
@@ -194,7 +195,7 @@ def unison_on_train_epoch_start(trainer: "Trainer", epoch: int) -> None:
 
 
 @hookspec
-def unison_on_train_epoch_end(trainer: "Trainer", epoch: int) -> None:
+def unison_on_train_epoch_end(trainer: Trainer, epoch: int) -> None:
     """After the last optimizer step of an epoch, on every rank.
 
     Called by :meth:`Trainer.fit` after that step's ``unison_on_train_step_end``
@@ -204,7 +205,7 @@ def unison_on_train_epoch_end(trainer: "Trainer", epoch: int) -> None:
 
 
 @hookspec
-def unison_on_train_step_start(trainer: "Trainer", step: int) -> None:
+def unison_on_train_step_start(trainer: Trainer, step: int) -> None:
     """Before the first micro-batch of optimizer step ``step``, on every rank.
 
     Called by :meth:`Trainer.fit` once per optimizer step, on every backend,
@@ -213,7 +214,7 @@ def unison_on_train_step_start(trainer: "Trainer", step: int) -> None:
 
 
 @hookspec
-def unison_on_after_backward(trainer: "Trainer", step: int) -> None:
+def unison_on_after_backward(trainer: Trainer, step: int) -> None:
     """Once per optimizer step, after the backward of its last micro-batch.
 
     Called by :meth:`Trainer.fit` on every rank, on every backend exactly once
@@ -225,7 +226,7 @@ def unison_on_after_backward(trainer: "Trainer", step: int) -> None:
 
 
 @hookspec
-def unison_on_before_optimizer_step(trainer: "Trainer", step: int, grad_norm: float) -> None:
+def unison_on_before_optimizer_step(trainer: Trainer, step: int, grad_norm: float) -> None:
     """Once per optimizer step, after clipping, before the optimizer update.
 
     Called by :meth:`Trainer.fit` on every rank, exactly once per optimizer
@@ -236,7 +237,7 @@ def unison_on_before_optimizer_step(trainer: "Trainer", step: int, grad_norm: fl
 
 
 @hookspec
-def unison_on_after_optimizer_step(trainer: "Trainer", step: int, skipped: bool) -> None:
+def unison_on_after_optimizer_step(trainer: Trainer, step: int, skipped: bool) -> None:
     """Once per optimizer step, after the update and the scheduler step.
 
     Called by :meth:`Trainer.fit` on every rank, after ``zero_grad``. ``skipped`` is ``True`` when the update did not
@@ -245,7 +246,7 @@ def unison_on_after_optimizer_step(trainer: "Trainer", step: int, skipped: bool)
 
 
 @hookspec
-def unison_on_train_step_end(trainer: "Trainer", step: int, output: "StepOutput") -> None:
+def unison_on_train_step_end(trainer: Trainer, step: int, output: StepOutput) -> None:
     """After optimizer step ``step`` is complete, on every rank.
 
     Called by :meth:`Trainer.fit` once per optimizer step, after
@@ -264,7 +265,7 @@ def unison_on_train_step_end(trainer: "Trainer", step: int, output: "StepOutput"
 
 
 @hookspec
-def unison_on_validation_start(trainer: "Trainer", step: int) -> None:
+def unison_on_validation_start(trainer: Trainer, step: int) -> None:
     """Before the validation loop that follows optimizer step ``step``, on every rank.
 
     Called by :meth:`Trainer.validate`: every ``val_every_n_steps`` and once at
@@ -274,7 +275,7 @@ def unison_on_validation_start(trainer: "Trainer", step: int) -> None:
 
 
 @hookspec
-def unison_on_validation_end(trainer: "Trainer", step: int, metrics: "dict[str, float]") -> None:
+def unison_on_validation_end(trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
     """After the validation loop, on every rank.
 
     Called by :meth:`Trainer.validate`, before the metrics go to
@@ -291,7 +292,7 @@ def unison_on_validation_end(trainer: "Trainer", step: int, metrics: "dict[str, 
 
 
 @hookspec
-def unison_on_save_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") -> None:
+def unison_on_save_checkpoint(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """While a checkpoint is written, before it is committed, on every rank.
 
     Called by :meth:`Trainer.save_checkpoint` (every
@@ -310,7 +311,7 @@ def unison_on_save_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") 
 
 
 @hookspec
-def unison_on_load_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") -> None:
+def unison_on_load_checkpoint(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """When ``fit`` resumes, after model, optimizer and progress were restored.
 
     Called by :meth:`Trainer.fit` (given ``ckpt_path``) after
@@ -325,7 +326,7 @@ def unison_on_load_checkpoint(trainer: "Trainer", checkpoint: "dict[str, Any]") 
 
 
 @hookspec
-def unison_log_metrics(trainer: "Trainer", metrics: "dict[str, float]", step: int) -> None:
+def unison_log_metrics(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
     """Deliver metrics to loggers.
 
     Called by the trainer on every rank (the same metrics everywhere, already
@@ -341,7 +342,7 @@ def unison_log_metrics(trainer: "Trainer", metrics: "dict[str, float]", step: in
 
 
 @hookspec
-def unison_default_plugins(settings: Any, plugins: "list[Any]") -> "list[Any]":
+def unison_default_plugins(settings: Any, plugins: list[Any]) -> list[Any]:
     """Plugins every Trainer gets unless its settings turn them off.
 
     Called by :class:`~unison.Trainer` once, in its constructor (on every
@@ -362,7 +363,7 @@ def unison_default_plugins(settings: Any, plugins: "list[Any]") -> "list[Any]":
 
 
 @hookspec
-def unison_on_trainer_init(trainer: "Trainer") -> None:
+def unison_on_trainer_init(trainer: Trainer) -> None:
     """Check, before any process group exists, what a plugin needs from the settings.
 
     Called by :class:`~unison.Trainer` once, at the end of its constructor, on
@@ -376,7 +377,7 @@ def unison_on_trainer_init(trainer: "Trainer") -> None:
 
 
 @hookspec
-def unison_validation_progress(trainer: "Trainer", step: int, batch_idx: int, num_batches: "int | None") -> None:
+def unison_validation_progress(trainer: Trainer, step: int, batch_idx: int, num_batches: int | None) -> None:
     """After each validation forward, for progress displays.
 
     Called by :meth:`Trainer.validate` on every rank, after batch

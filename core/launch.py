@@ -39,8 +39,9 @@ def free_port() -> int:
 _SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
 
-def cluster_launch(nproc: int | None, torchrun_args: Sequence[str], cluster: str | None = None,
-                   pm: Any = None) -> tuple[int, list[str], Any]:
+def cluster_launch(
+    nproc: int | None, torchrun_args: Sequence[str], cluster: str | None = None, pm: Any = None
+) -> tuple[int, list[str], Any]:
     """``(processes on this node, torchrun options, NodeLaunch)`` with the cluster environment's options added.
 
     Options given explicitly win over derived ones; ``nproc`` (``--nproc``)
@@ -53,8 +54,13 @@ def cluster_launch(nproc: int | None, torchrun_args: Sequence[str], cluster: str
     return nproc or launch.nproc_per_node or 1, args, launch
 
 
-def run_script(script: str, nproc: int | None, script_args: Sequence[str] = (), torchrun_args: Sequence[str] = (),
-               cluster: str | None = None) -> int:
+def run_script(
+    script: str,
+    nproc: int | None,
+    script_args: Sequence[str] = (),
+    torchrun_args: Sequence[str] = (),
+    cluster: str | None = None,
+) -> int:
     """Run ``script`` under torchrun with ``nproc`` processes on this node; return its exit code.
 
     What it does beyond plain torchrun, and why:
@@ -81,8 +87,12 @@ def run_script(script: str, nproc: int | None, script_args: Sequence[str] = (), 
 
     nproc, torchrun_args, launch = cluster_launch(nproc, torchrun_args, cluster)
     if launch.environment != "torchrun":
-        print(f"unison run: {launch.environment} ({'; '.join(launch.notes) or 'detected'}): "
-              f"{' '.join(launch.torchrun_args()) or 'single node'}", file=sys.stderr, flush=True)
+        print(
+            f"unison run: {launch.environment} ({'; '.join(launch.notes) or 'detected'}): "
+            f"{' '.join(launch.torchrun_args()) or 'single node'}",
+            file=sys.stderr,
+            flush=True,
+        )
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     argv = [f"--nproc-per-node={nproc}", *torchrun_args]
     if not any(a.startswith(("--rdzv", "--master", "--nnodes", "--standalone")) for a in torchrun_args):
@@ -123,7 +133,9 @@ def summarize_failures(failures: dict[int, Any]) -> tuple[int, list[str]]:
 
     ordered = sorted(failures.items(), key=when)
     if all(f.exitcode == PREEMPTED_EXIT_CODE for _, f in ordered):
-        return PREEMPTED_EXIT_CODE, [f"unison run: stopped on request after a checkpoint (exit code {PREEMPTED_EXIT_CODE})"]
+        return PREEMPTED_EXIT_CODE, [
+            f"unison run: stopped on request after a checkpoint (exit code {PREEMPTED_EXIT_CODE})"
+        ]
     lines = []
     for i, (rank, failure) in enumerate(ordered):
         if failure.exitcode < 0:
@@ -132,8 +144,11 @@ def summarize_failures(failures: dict[int, Any]) -> tuple[int, list[str]]:
             message = failure.message
             if isinstance(message, dict):
                 message = message.get("message", "")
-            what = f"exit code {failure.exitcode}" + (f": {message.strip().splitlines()[0]}" if message and
-                                                      not message.startswith("To enable traceback") else "")
+            what = f"exit code {failure.exitcode}" + (
+                f": {message.strip().splitlines()[0]}"
+                if message and not message.startswith("To enable traceback")
+                else ""
+            )
         lines.append(f"  rank {rank} (pid {failure.pid}){' failed first' if i == 0 else ''}: {what}")
     first = ordered[0][1]
     code = 128 - first.exitcode if first.exitcode < 0 else first.exitcode or 1
@@ -144,10 +159,17 @@ class WorldError(RuntimeError):
     """A rank of a spawned world failed; carries that rank's traceback."""
 
 
-def _worker(rank: int, world_size: int, port: int, out_dir: str, backend: str, fn: Callable[..., Any], args: tuple) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, out_dir: str, backend: str, fn: Callable[..., Any], args: tuple
+) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
     import multiprocessing
 
@@ -203,8 +225,11 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 600.0
                 failed = [r for r, (status, _) in results.items() if status == "error"]
                 if failed:
                     raise WorldError(f"rank {failed[0]} failed:\n{results[failed[0]][1]}")
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in results
-                        and not (Path(out_dir) / f"rank-{r}.pkl").exists()]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if not p.is_alive() and r not in results and not (Path(out_dir) / f"rank-{r}.pkl").exists()
+                ]
                 if dead:
                     raise WorldError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} and no report")
                 if time.monotonic() > deadline:

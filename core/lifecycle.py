@@ -157,14 +157,16 @@ class RunGuard:
         raise stop
 
     # -- context -------------------------------------------------------------- #
-    def __enter__(self) -> "RunGuard":
+    def __enter__(self) -> RunGuard:
         _register_exit_drain()
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()

@@ -289,5 +289,9 @@ class PluginManager:
     def unison_on_trainer_init(self, *, trainer: Trainer) -> None:
         self._pm.hook.unison_on_trainer_init(trainer=trainer)
 
-    def unison_validation_progress(self, *, trainer: Trainer, step: int, batch_idx: int, num_batches: int | None) -> None:
-        self._pm.hook.unison_validation_progress(trainer=trainer, step=step, batch_idx=batch_idx, num_batches=num_batches)
+    def unison_validation_progress(
+        self, *, trainer: Trainer, step: int, batch_idx: int, num_batches: int | None
+    ) -> None:
+        self._pm.hook.unison_validation_progress(
+            trainer=trainer, step=step, batch_idx=batch_idx, num_batches=num_batches
+        )

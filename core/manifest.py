@@ -91,7 +91,7 @@ class Manifest(pydantic.BaseModel):
     """Every file of the checkpoint except this manifest, by POSIX path relative to it."""
 
     @classmethod
-    def read(cls, storage: LocalStorage, path: Path) -> "Manifest":
+    def read(cls, storage: LocalStorage, path: Path) -> Manifest:
         """Parse ``path/manifest.json``; a malformed one is a :class:`CorruptCheckpointError`."""
         try:
             raw = json.loads(storage.read_text(path / MANIFEST))
@@ -100,9 +100,7 @@ class Manifest(pydantic.BaseModel):
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CorruptCheckpointError(path, MANIFEST, f"unreadable ({exc})") from None
         if isinstance(raw, dict) and raw.get("format") != FORMAT:
-            raise CheckpointError(
-                f"checkpoint {path} has format {raw.get('format')!r}; this unison reads {FORMAT!r}"
-            )
+            raise CheckpointError(f"checkpoint {path} has format {raw.get('format')!r}; this unison reads {FORMAT!r}")
         try:
             return cls.model_validate(raw)
         except pydantic.ValidationError as exc:
@@ -169,7 +167,7 @@ def hash_files(storage: LocalStorage, directory: Path, *, sync: bool) -> dict[st
     """
     files: list[str] = broadcast(storage.list_files(directory) if rank() == 0 else None)
     mine = {}
-    for name in files[rank():: world_size()]:
+    for name in files[rank() :: world_size()]:
         size, sha = storage.digest(directory / name, sync=sync)
         mine[name] = {"size": size, "sha256": sha}
     merged: dict[str, FileEntry] = {}
@@ -196,7 +194,9 @@ def _check_files(storage: LocalStorage, path: Path, manifest: Manifest, names: l
             problems.append((name, f"unreadable ({exc})"))
             continue
         if sha != entry.sha256:
-            problems.append((name, f"sha256 {sha[:16]}... does not match the manifest's {entry.sha256[:16]}... (altered)"))
+            problems.append(
+                (name, f"sha256 {sha[:16]}... does not match the manifest's {entry.sha256[:16]}... (altered)")
+            )
     return problems
 
 
@@ -212,7 +212,7 @@ def verify(storage: LocalStorage, path: Path) -> Manifest:
     """
     manifest = Manifest.read(storage, path)
     names = sorted(manifest.files)
-    problems = _check_files(storage, path, manifest, names[rank():: world_size()])
+    problems = _check_files(storage, path, manifest, names[rank() :: world_size()])
     if rank() == 0:
         # Files nobody vouched for: an interrupted write or a planted file.
         listed = set(manifest.files) | {MANIFEST}

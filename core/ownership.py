@@ -14,9 +14,10 @@ something it declares supported.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from unison.errors import did_you_mean
 
@@ -95,7 +96,7 @@ class PrecisionSupport:
         return self.owner in (PrecisionOwner.TRAINER, PrecisionOwner.PLUGIN)
 
     @classmethod
-    def unsupported(cls, reason: str) -> "PrecisionSupport":
+    def unsupported(cls, reason: str) -> PrecisionSupport:
         return cls(PrecisionOwner.UNSUPPORTED, reason)
 
 
@@ -144,6 +145,9 @@ class Feature(str, enum.Enum):
     #: A model that is not an ``nn.Sequential`` and declares no split points
     #: (``pipeline_layers = [child names in forward order]``).
     ARBITRARY_MODULE = "arbitrary_module"
+    #: An optimizer of any class from the optimizer factory (a strategy that
+    #: runs its own optimizer accepts only the classes its reason names).
+    ANY_OPTIMIZER = "any_optimizer"
 
     @property
     def description(self) -> str:
@@ -160,6 +164,7 @@ _FEATURE_DESCRIPTIONS = {
     Feature.FROZEN_PARAMETERS: "models with frozen parameters (requires_grad=False)",
     Feature.BUFFERS: "models with buffers",
     Feature.ARBITRARY_MODULE: "models that are not an nn.Sequential and declare no split points (pipeline_layers)",
+    Feature.ANY_OPTIMIZER: "any optimizer class from the optimizer factory",
 }
 
 
@@ -175,8 +180,13 @@ class WorldSizes:
     def refusal(self, world_size: int) -> str | None:
         """Why ``world_size`` is refused, or ``None``."""
         if world_size < self.minimum or world_size % self.multiple_of:
-            rule = f"at least {self.minimum}" if self.multiple_of == 1 else (
-                f"a multiple of {self.multiple_of}" + (f", at least {self.minimum}" if self.minimum > self.multiple_of else "")
+            rule = (
+                f"at least {self.minimum}"
+                if self.multiple_of == 1
+                else (
+                    f"a multiple of {self.multiple_of}"
+                    + (f", at least {self.minimum}" if self.minimum > self.multiple_of else "")
+                )
             )
             return f"world size {world_size} is not {rule}" + (f": {self.reason}" if self.reason else "")
         return None

@@ -22,7 +22,9 @@ already configured its engine or policy for that precision in ``setup``.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,7 +43,7 @@ class Precision:
     #: The registered name, e.g. ``"bf16-mixed"``.
     name: str = "32-true"
     #: The strategy's declared support for :attr:`name` (set by the trainer).
-    support: "PrecisionSupport | None" = None
+    support: PrecisionSupport | None = None
 
     @property
     def applied_by_trainer(self) -> bool:
@@ -54,7 +56,7 @@ class Precision:
     def convert_input(self, data: Any) -> Any:
         return data
 
-    def forward_context(self) -> ContextManager[Any]:
+    def forward_context(self) -> AbstractContextManager[Any]:
         # fp32 has nothing to enter; subclasses return autocast.
         return contextlib.nullcontext()
 

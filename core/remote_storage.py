@@ -239,6 +239,13 @@ class FsspecStorage(LocalStorage):
     def _copy_object(self, src: str, dst: str) -> None:
         self.fs.copy(src, dst)  # server-side copy
 
+    def remove_file(self, path: Path) -> None:
+        key = self._key(path)
+        if key is None:
+            return super().remove_file(path)
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(key)
+
     def remove_tree(self, path: Path) -> None:
         key = self._key(path)
         if key is None:

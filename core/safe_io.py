@@ -52,7 +52,9 @@ def loads(data: bytes, where: str) -> Any:
     try:
         return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        raise UnsafeStateError(f"{where} is not a plain-data checkpoint file; refusing to unpickle it ({exc})") from None
+        raise UnsafeStateError(
+            f"{where} is not a plain-data checkpoint file; refusing to unpickle it ({exc})"
+        ) from None
 
 
 # --------------------------------------------------------------------------- #
@@ -63,10 +65,18 @@ def encode_rng(state: dict[str, Any]) -> dict[str, Any]:
     version, internal, gauss = state["python"]
     kind, keys, pos, has_gauss, cached = state["numpy"]
     out: dict[str, Any] = {
-        "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
-                   "gauss": None if gauss is None else float(gauss)},
-        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
-                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": {
+            "version": int(version),
+            "state": torch.tensor(internal, dtype=torch.int64),
+            "gauss": None if gauss is None else float(gauss),
+        },
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": state["torch"].clone(),
     }
     if "cuda" in state:
@@ -79,8 +89,13 @@ def decode_rng(data: dict[str, Any]) -> dict[str, Any]:
     py, npy = data["python"], data["numpy"]
     state: dict[str, Any] = {
         "python": (py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]),
-        "numpy": (npy["kind"], npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"],
-                  npy["cached_gaussian"]),
+        "numpy": (
+            npy["kind"],
+            npy["keys"].numpy().astype(np.uint32),
+            npy["pos"],
+            npy["has_gauss"],
+            npy["cached_gaussian"],
+        ),
         "torch": data["torch"],
     }
     if "cuda" in data:
@@ -88,18 +103,28 @@ def decode_rng(data: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-
 # --------------------------------------------------------------------------- #
 # Files written by backends in formats that unpickle on load.
 # --------------------------------------------------------------------------- #
 #: Modules whose classes a DCP ``.metadata`` pickle may name: DCP's own
 #: dataclasses and enums, nothing that runs code when built.
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension")
+_DCP_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint._extension",
+)
 _DCP_GLOBALS = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("copyreg", "_reconstructor"),
-    ("builtins", "object"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("copyreg", "_reconstructor"),
+    ("builtins", "object"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
 }
 #: Globals beyond ``weights_only``'s own that DeepSpeed's checkpoint files name
 #: (measured): an enum, a dataclass and the loss scaler's attribute holder.
@@ -114,7 +139,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if module.startswith(_DCP_MODULES) or (module, name) in _DCP_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.memory_format, torch.layout)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"global {module}.{name} is not allowed")
 

@@ -72,7 +72,7 @@ class TrainerSettings(pydantic.BaseModel):
     """Log step time, samples/s, tokens/s and peak memory on logging steps (the default Throughput callback)."""
 
     @pydantic.model_validator(mode="after")
-    def _check(self) -> "TrainerSettings":
+    def _check(self) -> TrainerSettings:
         if (self.max_steps is None) == (self.max_epochs is None):
             given = "both" if self.max_steps is not None else "neither"
             raise ValueError(
@@ -97,7 +97,8 @@ def parse_settings(settings: dict[str, Any]) -> TrainerSettings:
         option = ".".join(str(p) for p in err["loc"]) or "settings"
         msg = err["msg"].removeprefix("Value error, ")
         fix = (
-            "remove or rename it" if err["type"] == "extra_forbidden"
+            "remove or rename it"
+            if err["type"] == "extra_forbidden"
             else "see unison.TrainerSettings for the valid values and types"
         )
         raise ConfigurationError(option, f"{msg} (got {err.get('input')!r})" if err["loc"] else msg, fix) from None

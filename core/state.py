@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -25,12 +26,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+
 def _run_dcp(fn: Any, state: dict[str, Any], directory: Path) -> None:
     with warnings.catch_warnings():
         # DCP warns on every single-process call that it assumes no process
         # group; that is exactly the intent for the single strategy.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        fn(state, checkpoint_id=str(directory))
+        try:
+            fn(state, checkpoint_id=str(directory))
+        except CheckpointException as exc:
+            # DCP wraps whatever interrupted it, Ctrl-C included; an interrupt
+            # must stay an interrupt (exit 130, not a failed save with exit 1).
+            if any(isinstance(failure[0], KeyboardInterrupt) for failure in exc.failures.values()):
+                raise KeyboardInterrupt from None
+            raise
 
 
 def canonical(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

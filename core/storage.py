@@ -118,6 +118,10 @@ class LocalStorage:
         os.rename(src, dst)
         self._sync_dir(dst.parent)
 
+    def remove_file(self, path: Path) -> None:
+        """Delete one file (missing is fine)."""
+        path.unlink(missing_ok=True)
+
     def remove_tree(self, path: Path) -> None:
         """Delete a directory and everything under it (missing is fine)."""
         shutil.rmtree(path, ignore_errors=True)

@@ -46,8 +46,10 @@ from __future__ import annotations
 
 import abc
 import inspect
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -87,7 +89,7 @@ LossFn = Callable[[Any, Any], torch.Tensor]
 class DeferredGradSync(Protocol):
     """Trainer-owned accumulation with gradients synchronised at the boundary only."""
 
-    def no_sync(self) -> ContextManager[Any]:
+    def no_sync(self) -> AbstractContextManager[Any]:
         """Skip gradient synchronisation for the micro-step run inside the context.
 
         The trainer enters it on every micro-step of an optimizer step but the
@@ -114,7 +116,7 @@ class ScheduleAccumulation(Protocol):
     """Schedule-owned accumulation (pipelines): one call runs every micro-batch of a step."""
 
     def forward_backward(
-        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, precision: "Precision"
+        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, precision: Precision
     ) -> list[torch.Tensor]:
         """Run forward and backward over all ``(inputs, targets)`` micro-batches; return each one's loss.
 
@@ -133,7 +135,7 @@ def required_interface(accumulation: GradAccumulation) -> type | None:
     return ScheduleAccumulation
 
 
-def check_contract(strategy: "Strategy") -> None:
+def check_contract(strategy: Strategy) -> None:
     """Refuse, before any process group, a strategy that lacks its declared owner's interface."""
     accumulation = strategy.ownership.grad_accumulation
     interface = required_interface(accumulation)
@@ -145,7 +147,9 @@ def check_contract(strategy: "Strategy") -> None:
             f"gradient accumulation{' synchronised at the boundary' if interface is DeferredGradSync else ''} but "
             f"does not implement {method}()",
             f"implement {interface.__name__}.{method}() in the strategy"
-            + (", or declare GradAccumulation(sync=GradSync.EVERY_MICRO_STEP)" if interface is DeferredGradSync else ""),
+            + (
+                ", or declare GradAccumulation(sync=GradSync.EVERY_MICRO_STEP)" if interface is DeferredGradSync else ""
+            ),
         )
 
 
@@ -240,7 +244,7 @@ class Strategy(abc.ABC):
         module: torch.nn.Module,
         make_optimizer: OptimizerFactory,
         *,
-        precision: "Precision",
+        precision: Precision,
         settings: TrainerSettings,
     ) -> None:
         """Move and wrap ``module``, build the optimizer, set the attributes.

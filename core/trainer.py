@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from unison.batch import tensor_leaves
-from unison.checkpoint import Checkpointer
+from unison.checkpoint import Checkpointer, check_resume_step, resume_point
 from unison.data import TrainData, check_divisible, is_map_style, resolve_source, validation_stream
 from unison.env import DistEnv, device_for, resolve_accelerator, world_from_env
 from unison.errors import ConfigurationError, DeclaredRefusal, UnisonError
@@ -567,7 +567,10 @@ class Trainer:
         self._check_first_batch(data.first_micro_batch(), loss_fn is not None)
         val = self._resolve_validation(val_dataset, collate_fn) if val_dataset is not None else None
         if self.checkpointer is not None:
+            self.checkpointer.preflight(ckpt_path, s.max_steps)  # writable; the resume point exists, within max_steps
             self.checkpointer.claim(ckpt_path)  # never write into another run's checkpoints
+        elif ckpt_path is not None:
+            check_resume_step(resume_point(ckpt_path), s.max_steps)
 
         self.loss_fn, self.training_step, self.data = loss_fn, training_step, data
         self._final_state = None

@@ -58,8 +58,10 @@ class ByteLMDataset(Dataset):
 
 
 def build_datasets(seq_len: int = 32, max_bytes: int = 65_536, val_bytes: int = 8_192) -> tuple[Dataset, Dataset]:
-    return (ByteLMDataset(stdlib_text(max_bytes), seq_len),
-            ByteLMDataset(stdlib_text(val_bytes, skip_bytes=max_bytes), seq_len))
+    return (
+        ByteLMDataset(stdlib_text(max_bytes), seq_len),
+        ByteLMDataset(stdlib_text(val_bytes, skip_bytes=max_bytes), seq_len),
+    )
 
 
 def build_model(hidden_size: int = 64, layers: int = 2, heads: int = 4, seq_len: int = 32) -> torch.nn.Module:
@@ -67,9 +69,18 @@ def build_model(hidden_size: int = 64, layers: int = 2, heads: int = 4, seq_len:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=hidden_size, intermediate_size=2 * hidden_size, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq_len,
-        attention_dropout=0.0, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=seq_len,
+        attention_dropout=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
     )
     return LlamaForCausalLM(config)
 

@@ -6,7 +6,9 @@ engines and sharding policies apply their own (see each strategy's declaration).
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -23,11 +25,17 @@ class AutocastPrecision(Precision):
     an overflow skips the optimizer step and backs the scale off.
     """
 
-    def __init__(self, name: str, dtype: torch.dtype, device: torch.device, grad_scaler: Callable[[], torch.amp.GradScaler] | None) -> None:
+    def __init__(
+        self,
+        name: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        grad_scaler: Callable[[], torch.amp.GradScaler] | None,
+    ) -> None:
         self.name, self.dtype, self.device = name, dtype, device
         self.scaler = grad_scaler() if grad_scaler is not None else None
 
-    def forward_context(self) -> ContextManager[Any]:
+    def forward_context(self) -> AbstractContextManager[Any]:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,13 @@ from typing import Any, Literal
 
 from rich.console import Console
 from rich.progress import (
-    BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
 )
 
 from unison.plugin import hookimpl
@@ -58,8 +64,13 @@ class ProgressBar:
         refresh_per_second: redraws of the live bar.
     """
 
-    def __init__(self, mode: Literal["auto", "rich", "plain"] = "auto", every_n_steps: int | None = None,
-                 console: Console | None = None, refresh_per_second: float = 4) -> None:
+    def __init__(
+        self,
+        mode: Literal["auto", "rich", "plain"] = "auto",
+        every_n_steps: int | None = None,
+        console: Console | None = None,
+        refresh_per_second: float = 4,
+    ) -> None:
         self.mode = mode
         self.every_n_steps = every_n_steps
         self.console = console
@@ -121,10 +132,16 @@ class ProgressBar:
         if not self._live():
             return
         self._bar = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
             TextColumn("{task.fields[info]}"),
-            TextColumn("elapsed"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-            console=self.console, refresh_per_second=self.refresh_per_second,
+            TextColumn("elapsed"),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+            console=self.console,
+            refresh_per_second=self.refresh_per_second,
         )
         self._bar.start()
         self._train = self._bar.add_task("train", total=self._total, completed=trainer.global_step, info="")
@@ -191,8 +208,9 @@ class ProgressBar:
             self._bar.remove_task(self._val)
             self._val = None
         shown = " | ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-        self._print(f"val step {step}: {shown} | {self._val_batches} batches in "
-                    f"{_clock(time.monotonic() - self._val_started)}")
+        self._print(
+            f"val step {step}: {shown} | {self._val_batches} batches in {_clock(time.monotonic() - self._val_started)}"
+        )
 
     @hookimpl
     def unison_on_fit_end(self, trainer: Any) -> None:

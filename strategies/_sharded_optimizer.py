@@ -45,9 +45,11 @@ are shared by the fairscale OSS strategies, which have the same shape.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -57,7 +59,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.nn.parallel import DistributedDataParallel
 
 # Imported here, before any process group exists, on purpose: the module binds
 # ``group=dist.group.WORLD`` as a default argument when it is first imported, so
@@ -65,12 +66,12 @@ from torch.nn.parallel import DistributedDataParallel
 # process and its gloo threads outlive destroy_process_group (see
 # unison.lifecycle.drain_collective_threads for what that costs at exit).
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
 
 from unison.errors import ConfigurationError
 from unison.ownership import AccumulationOwner, GradAccumulation, Ownership, StateDictDeclaration, StateDictKind
-from unison.strategy import OptimizerFactory
-
 from unison.strategies._torch import TRAINER_PRECISION, ReplicatedStrategy
+from unison.strategy import OptimizerFactory
 
 #: The checkpoint format shared with ``ddp`` and ``single``.
 CONSOLIDATED_DCP_STATE = StateDictDeclaration(
@@ -102,17 +103,19 @@ class OptimizerRecipe:
     user_optimizer: torch.optim.Optimizer = field(compare=False, repr=False)
 
     @classmethod
-    def from_factory(cls, make_optimizer: OptimizerFactory, params: Any, *, strategy: str) -> "OptimizerRecipe":
+    def from_factory(cls, make_optimizer: OptimizerFactory, params: Any, *, strategy: str) -> OptimizerRecipe:
         probe = make_optimizer(params)
         if not isinstance(probe, torch.optim.Optimizer):
             raise ConfigurationError(
-                "optimizer", f"the factory returned {type(probe).__name__}, not a torch.optim.Optimizer",
+                "optimizer",
+                f"the factory returned {type(probe).__name__}, not a torch.optim.Optimizer",
                 "pass optimizer=lambda params: torch.optim.AdamW(params, ...)",
             )
         if probe.state:
             # Re-pointing it at a shard would keep state for parameters it no longer owns.
             raise ConfigurationError(
-                "optimizer", f"strategy {strategy!r} shards the optimizer, but the factory's optimizer already holds state",
+                "optimizer",
+                f"strategy {strategy!r} shards the optimizer, but the factory's optimizer already holds state",
                 "return a freshly constructed optimizer from the factory",
             )
         signature = inspect.signature(type(probe).__init__)
@@ -254,12 +257,16 @@ class TorchZeroStrategy(ReplicatedStrategy):
             ),
         )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+    def setup(
+        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+    ) -> None:
         env = self.env
         assert env is not None
         module = module.to(env.device)
         self.module = module
-        self.model = DistributedDataParallel(module, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+        self.model = DistributedDataParallel(
+            module, device_ids=[env.device.index] if env.device.type == "cuda" else None
+        )
         self.recipe = OptimizerRecipe.from_factory(make_optimizer, module.parameters(), strategy=self.name)
         self.optimizer = self._sharded_optimizer(self.recipe)
 
@@ -273,7 +280,7 @@ class TorchZeroStrategy(ReplicatedStrategy):
         """Gather the full optimizer state on rank 0 (collective)."""
         self.optimizer.consolidate_state_dict(to=0)  # type: ignore[union-attr]
 
-    def no_sync(self) -> ContextManager[Any]:
+    def no_sync(self) -> AbstractContextManager[Any]:
         return self.model.no_sync()
 
     def save_state(self, directory: Path) -> None:
@@ -294,4 +301,3 @@ class TorchZeroStrategy(ReplicatedStrategy):
     def teardown(self) -> None:
         super().teardown()
         self.recipe = None
-

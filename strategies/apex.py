@@ -9,6 +9,10 @@ README) and ``apex.contrib.optimizers.distributed_fused_adam.DistributedFusedAda
 a ZeRO-2 style optimizer that owns gradient synchronisation. This module
 registers the latter as a strategy.
 
+(Why one file above 400 lines: one strategy, whose optimizer owns gradient
+sync, clipping and sharded state; about half of the file is this docstring's
+ownership table and the conversion between its buckets and canonical state.)
+
 Who owns what
 -------------
 There is no module wrapper: the optimizer hooks each parameter's gradient
@@ -71,8 +75,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 import pydantic
 import torch
@@ -87,6 +92,7 @@ from torch.distributed.checkpoint.state_dict import (
 from unison.errors import ConfigurationError
 from unison.ownership import (
     AccumulationOwner,
+    Feature,
     GradAccumulation,
     GradSync,
     Ownership,
@@ -101,6 +107,8 @@ from unison.plugin import hookimpl
 from unison.registry import StrategySpec
 from unison.settings import TrainerSettings
 from unison.state import canonical
+from unison.strategies._upstream.apex import release_grad_accumulators
+from unison.strategies._upstream.torch import copy_step_hooks
 from unison.strategy import OptimizerFactory, Strategy
 
 #: The apex commit whose source this module was written against.
@@ -221,8 +229,13 @@ def _scalar(value: Any) -> float:
 
 def _adam_options(values: dict[str, Any], bias_correction: bool) -> dict[str, Any]:
     beta1, beta2 = values["betas"]
-    return {"lr": _scalar(values["lr"]), "betas": (_scalar(beta1), _scalar(beta2)), "eps": _scalar(values["eps"]),
-            "weight_decay": _scalar(values["weight_decay"]), "bias_correction": bias_correction}
+    return {
+        "lr": _scalar(values["lr"]),
+        "betas": (_scalar(beta1), _scalar(beta2)),
+        "eps": _scalar(values["eps"]),
+        "weight_decay": _scalar(values["weight_decay"]),
+        "bias_correction": bias_correction,
+    }
 
 
 def adam_hyperparameters(
@@ -247,17 +260,22 @@ def adam_hyperparameters(
         decoupled = isinstance(optimizer, torch.optim.AdamW)
         modes = {bool(g.get("decoupled_weight_decay", decoupled)) for g in optimizer.param_groups}
         for i, group in enumerate(optimizer.param_groups):
-            for option, why in (("amsgrad", "DistributedFusedAdam has no AMSGrad variant"),
-                                ("maximize", "DistributedFusedAdam only minimises")):
+            for option, why in (
+                ("amsgrad", "DistributedFusedAdam has no AMSGrad variant"),
+                ("maximize", "DistributedFusedAdam only minimises"),
+            ):
                 if group.get(option):
                     raise ConfigurationError(
-                        "optimizer", f"strategy {strategy!r}: parameter group {i} of {name} sets {option}=True, but "
-                        f"{why}", f"drop {option}=True, or pick another strategy",
+                        "optimizer",
+                        f"strategy {strategy!r}: parameter group {i} of {name} sets {option}=True, but {why}",
+                        f"drop {option}=True, or pick another strategy",
                     )
         if len(modes) > 1:
             raise ConfigurationError(
-                "optimizer", f"strategy {strategy!r}: {name}'s parameter groups mix decoupled and L2 weight decay, but "
-                "DistributedFusedAdam has one adam_w_mode for all groups", "use one weight-decay mode for every group",
+                "optimizer",
+                f"strategy {strategy!r}: {name}'s parameter groups mix decoupled and L2 weight decay, but "
+                "DistributedFusedAdam has one adam_w_mode for all groups",
+                "use one weight-decay mode for every group",
             )
         adam_w_mode = modes.pop()
         # torch's Adam always corrects the bias.
@@ -298,8 +316,9 @@ class _UnscaleThroughOptimizer(torch.amp.GradScaler):
     rest of GradScaler's bookkeeping (stages, ``update``).
     """
 
-    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+    def _unscale_grads_(
+        self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
         return optimizer.unscale_grads(inv_scale=inv_scale)
 
 
@@ -317,9 +336,14 @@ class DistributedFusedAdamStrategy(Strategy):
     @property
     def ownership(self) -> Ownership:
         size = self.options.distributed_size
-        world_sizes = WorldSizes() if size is None else WorldSizes(
-            minimum=size, multiple_of=size,
-            reason=f"distributed_size={size} shards the optimizer over groups of {size} ranks",
+        world_sizes = (
+            WorldSizes()
+            if size is None
+            else WorldSizes(
+                minimum=size,
+                multiple_of=size,
+                reason=f"distributed_size={size} shards the optimizer over groups of {size} ranks",
+            )
         )
         return Ownership(
             grad_accumulation=GradAccumulation(
@@ -333,6 +357,11 @@ class DistributedFusedAdamStrategy(Strategy):
             state_dict=_STATE,
             replica_init=ReplicaInit.TRAINER,
             world_sizes=world_sizes,
+            # Checked by validate_optimizer, before any process group.
+            refuses={
+                Feature.ANY_OPTIMIZER: "it trains with DistributedFusedAdam, an Adam optimizer: the factory must "
+                "return torch.optim.AdamW, torch.optim.Adam or apex.optimizers.FusedAdam",
+            },
             notes=(
                 "gradient sync: no module wrapper; hooks on each parameter's gradient accumulator reduce-scatter "
                 "(ReduceOp.AVG) over the distributed group, then all-reduce over the redundant group",
@@ -353,8 +382,9 @@ class DistributedFusedAdamStrategy(Strategy):
         adam_hyperparameters(optimizer, strategy=self.name)
 
     # -- setup -------------------------------------------------------------------- #
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any,
-              settings: Any) -> None:
+    def setup(
+        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+    ) -> None:
         env = self.env
         assert env is not None
         module = module.to(env.device)
@@ -394,10 +424,7 @@ class DistributedFusedAdamStrategy(Strategy):
         # which keeps the reduce-scatter overlapped with it.
         optimizer.init_params(list(reversed([p for group in groups for p in group["params"]])))
         # Step hooks the user registered on the factory's optimizer fire on the one that steps.
-        for hook in recipe._optimizer_step_pre_hooks.values():
-            optimizer.register_step_pre_hook(hook)
-        for hook in recipe._optimizer_step_post_hooks.values():
-            optimizer.register_step_post_hook(hook)
+        copy_step_hooks(recipe, optimizer)
         self._recipe = recipe
         self.optimizer = optimizer
 
@@ -421,7 +448,7 @@ class DistributedFusedAdamStrategy(Strategy):
         return distributed, redundant
 
     # -- hot path ------------------------------------------------------------------ #
-    def no_sync(self) -> ContextManager[Any]:
+    def no_sync(self) -> AbstractContextManager[Any]:
         assert self.optimizer is not None
         return self.optimizer.no_sync()  # type: ignore[attr-defined]  # DistributedFusedAdam's own
 
@@ -458,8 +485,10 @@ class DistributedFusedAdamStrategy(Strategy):
         """
         assert self._recipe is not None and self.optimizer is not None
         groups = [
-            {**{k: v for k, v in live.items() if k not in ("params", "bias_correction")},
-             "params": list(user["params"])}
+            {
+                **{k: v for k, v in live.items() if k not in ("params", "bias_correction")},
+                "params": list(user["params"]),
+            }
             for user, live in zip(self._recipe.param_groups, self.optimizer.param_groups)
         ]
         return _shadow_class(self._adam_w_mode)(groups)
@@ -473,8 +502,11 @@ class DistributedFusedAdamStrategy(Strategy):
         step = torch.tensor(float(full["state"]["step"]))
         for index, param in enumerate(params):
             saved = full["state"][index]
-            shadow.state[param] = {"step": step.clone(), "exp_avg": saved["exp_avg"].to(param.device),
-                                   "exp_avg_sq": saved["exp_avg_sq"].to(param.device)}
+            shadow.state[param] = {
+                "step": step.clone(),
+                "exp_avg": saved["exp_avg"].to(param.device),
+                "exp_avg_sq": saved["exp_avg_sq"].to(param.device),
+            }
         state = {"model": get_model_state_dict(self.module), "optim": get_optimizer_state_dict(self.module, shadow)}
         dcp.save(state, checkpoint_id=str(directory))
 
@@ -514,8 +546,9 @@ class DistributedFusedAdamStrategy(Strategy):
             # scheduler added (initial_lr ...) come along; the shadow class's own
             # flags (amsgrad, foreach ...) do not.
             values = {k: v for k, v in live.items() if k != "params"}
-            values.update({k: v for k, v in loaded.items()
-                           if k != "params" and (k in values or k not in shadow.defaults)})
+            values.update(
+                {k: v for k, v in loaded.items() if k != "params" and (k in values or k not in shadow.defaults)}
+            )
             groups.append({**values, "params": ids})
         # DistributedFusedAdam counts steps once for all parameters; torch's Adam per parameter.
         state["step"] = max(steps, default=0)
@@ -538,9 +571,7 @@ class DistributedFusedAdamStrategy(Strategy):
         # DistributedFusedAdam's hooks live on the parameters' gradient
         # accumulators, kept alive by its _grad_accs list: release them, or the
         # module would keep sending its gradients to a dead optimizer.
-        grad_accs = getattr(self.optimizer, "_grad_accs", None)
-        if isinstance(grad_accs, list):
-            grad_accs.clear()
+        release_grad_accumulators(self.optimizer)
         self._recipe = None
         super().teardown()
 

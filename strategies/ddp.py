@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import pydantic
 import torch
@@ -11,9 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 from unison.ownership import AccumulationOwner, GradAccumulation, Ownership, ReplicaInit
 from unison.plugin import hookimpl
 from unison.registry import StrategySpec
-from unison.strategy import OptimizerFactory
-
 from unison.strategies._torch import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
+from unison.strategy import OptimizerFactory
 
 
 class DDPOptions(pydantic.BaseModel):
@@ -50,7 +50,9 @@ class DDPStrategy(ReplicatedStrategy):
             replica_init=ReplicaInit.STRATEGY,
         )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+    def setup(
+        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+    ) -> None:
         env = self.env
         assert env is not None
         module = module.to(env.device)
@@ -62,7 +64,7 @@ class DDPStrategy(ReplicatedStrategy):
         )
         self.optimizer = make_optimizer(module.parameters())
 
-    def no_sync(self) -> ContextManager[Any]:
+    def no_sync(self) -> AbstractContextManager[Any]:
         return self.model.no_sync()
 
 

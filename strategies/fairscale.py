@@ -38,12 +38,14 @@ run of the upstream loop to show the trap is real.
 from __future__ import annotations
 
 import types
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 import pydantic
 import torch
 
+from unison.env import resolve_accelerator
 from unison.errors import ConfigurationError
 from unison.ownership import (
     AccumulationOwner,
@@ -57,14 +59,11 @@ from unison.ownership import (
 from unison.plugin import hookimpl
 from unison.registry import StrategySpec, missing_modules
 from unison.state import canonical
-from unison.env import resolve_accelerator
-from unison.strategy import OptimizerFactory, Strategy
-
 from unison.strategies._sharded_optimizer import CONSOLIDATED_DCP_STATE, OptimizerRecipe, TorchZeroStrategy
 from unison.strategies._torch import TRAINER_PRECISION
 from unison.strategies._upstream.fairscale import remove_grad_hooks
 from unison.strategies._upstream.torch import FlagReducingGradScaler
-
+from unison.strategy import OptimizerFactory, Strategy
 
 # --------------------------------------------------------------------------- #
 # fairscale_oss: OSS + torch DDP
@@ -192,7 +191,9 @@ class FairscaleSDPStrategy(FairscaleOSSStrategy):
             ),
         )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+    def setup(
+        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+    ) -> None:
         env = self.env
         assert env is not None
         from fairscale.nn.data_parallel import ShardedDataParallel
@@ -288,7 +289,9 @@ class FairscaleFSDPStrategy(Strategy):
                 format="torch.save by rank 0: model.pt (full state_dict, module names), optim.pt "
                 "(gather_full_optim_state_dict, index-keyed)",
                 reshardable=True,
-                canonical_export="FullyShardedDataParallel.state_dict() (all-gathers the full, unflattened state) on every rank",
+                canonical_export=(
+                    "FullyShardedDataParallel.state_dict() (all-gathers the full, unflattened state) on every rank"
+                ),
             ),
             notes=("not exercised on CPU-only machines: fairscale's FSDP is CUDA-only",),
         )
@@ -299,7 +302,9 @@ class FairscaleFSDPStrategy(Strategy):
                 "accelerator", "fairscale FullyShardedDataParallel is CUDA-only", "use accelerator='cuda' or 'auto'"
             )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+    def setup(
+        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+    ) -> None:
         env = self.env
         assert env is not None
         from fairscale.nn import FullyShardedDataParallel
@@ -308,7 +313,7 @@ class FairscaleFSDPStrategy(Strategy):
         self.model = FullyShardedDataParallel(module.to(env.device), flatten_parameters=True, mixed_precision=False)
         self.optimizer = make_optimizer(self.model.parameters())
 
-    def no_sync(self) -> ContextManager[Any]:
+    def no_sync(self) -> AbstractContextManager[Any]:
         return self.model.no_sync()
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 
@@ -11,9 +12,8 @@ from unison.errors import ConfigurationError
 from unison.ownership import AccumulationOwner, GradAccumulation, Ownership
 from unison.plugin import hookimpl
 from unison.registry import StrategySpec
-from unison.strategy import OptimizerFactory
-
 from unison.strategies._torch import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
+from unison.strategy import OptimizerFactory
 
 
 class SingleStrategy(ReplicatedStrategy):
@@ -40,17 +40,21 @@ class SingleStrategy(ReplicatedStrategy):
                 "use strategy='ddp' (or another distributed strategy), or launch one process",
             )
 
-    def setup(self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any) -> None:
+    def setup(
+        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+    ) -> None:
         env = self.env
         assert env is not None
         self.module = self.model = module.to(env.device)
         self.optimizer = make_optimizer(module.parameters())
 
-    def no_sync(self) -> ContextManager[Any]:
+    def no_sync(self) -> AbstractContextManager[Any]:
         # One process: no gradient synchronisation exists to skip.
         return contextlib.nullcontext()
 
 
 @hookimpl
 def unison_strategies() -> list[StrategySpec]:
-    return [StrategySpec(name="single", factory=SingleStrategy, description="one process, no process group (the reference)")]
+    return [
+        StrategySpec(name="single", factory=SingleStrategy, description="one process, no process group (the reference)")
+    ]

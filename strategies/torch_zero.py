@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from unison.plugin import hookimpl
 from unison.registry import StrategySpec
-
 from unison.strategies._sharded_optimizer import TorchZeroStrategy
 
 

@@ -77,12 +77,26 @@ def source(kind: str) -> Any:
     return NestedDataset() if kind == "map" else NestedStream()
 
 
-def fit(strategy: str, kind: str, workers: int, *, max_steps: int | None = None, checkpoint_dir: str | None = None,
-        ckpt_path: str | None = None, model: Any = build_model) -> dict[str, Any]:
+def fit(
+    strategy: str,
+    kind: str,
+    workers: int,
+    *,
+    max_steps: int | None = None,
+    checkpoint_dir: str | None = None,
+    ckpt_path: str | None = None,
+    model: Any = build_model,
+) -> dict[str, Any]:
     settings: dict[str, Any] = {"max_steps": max_steps} if max_steps is not None else {"max_epochs": EPOCHS}
     trainer = unison.Trainer(
-        strategy=strategy, global_batch_size=GLOBAL_BATCH, accumulate_grad_batches=ACCUMULATE, num_workers=workers,
-        checkpoint_dir=checkpoint_dir, grad_clip_norm=1.0, seed=3, **settings,
+        strategy=strategy,
+        global_batch_size=GLOBAL_BATCH,
+        accumulate_grad_batches=ACCUMULATE,
+        num_workers=workers,
+        checkpoint_dir=checkpoint_dir,
+        grad_clip_norm=1.0,
+        seed=3,
+        **settings,
     )
     epochs: list[tuple[str, int]] = []
 
@@ -96,8 +110,13 @@ def fit(strategy: str, kind: str, workers: int, *, max_steps: int | None = None,
             epochs.append(("end", epoch))
 
     trainer.pm.register(Epochs())
-    progress = trainer.fit(model, source(kind), training_step=nested_step,
-                           optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), ckpt_path=ckpt_path)
+    progress = trainer.fit(
+        model,
+        source(kind),
+        training_step=nested_step,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        ckpt_path=ckpt_path,
+    )
     return {
         "state": trainer.full_state_dict(),
         "losses": [h.loss for h in progress.history],
@@ -109,7 +128,11 @@ def fit(strategy: str, kind: str, workers: int, *, max_steps: int | None = None,
 
 def _shared_dir(prefix: str) -> str:
     """A directory every rank agrees on (rank 0 makes it, the name is broadcast)."""
-    name = [tempfile.mkdtemp(prefix=prefix)] if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0 else [None]
+    name = (
+        [tempfile.mkdtemp(prefix=prefix)]
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        else [None]
+    )
     if torch.distributed.is_initialized():
         torch.distributed.broadcast_object_list(name, src=0)
     return name[0]
@@ -145,8 +168,12 @@ def desync_runs(strategies: tuple[str, ...]) -> dict[str, Any]:
     out = {}
     for name in strategies:
         trainer = unison.Trainer(strategy=name, global_batch_size=16, accumulate_grad_batches=2, max_steps=6, seed=0)
-        trainer.fit(per_rank_model(), regression_data(n=64),
-                    loss_fn=torch.nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+        trainer.fit(
+            per_rank_model(),
+            regression_data(n=64),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+        )
         out[name] = trainer.full_state_dict()
     return out
 
@@ -159,8 +186,12 @@ def rank0_init_reference() -> dict[str, torch.Tensor]:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     model[0].register_buffer("offset", torch.zeros(1))
     trainer = unison.Trainer(strategy="single", global_batch_size=16, accumulate_grad_batches=2, max_steps=6, seed=0)
-    trainer.fit(model, regression_data(n=64), loss_fn=torch.nn.functional.mse_loss,
-                optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+    trainer.fit(
+        model,
+        regression_data(n=64),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+    )
     return trainer.full_state_dict()
 
 
@@ -168,5 +199,3 @@ def world_runs(strategies: tuple[str, ...], workers: tuple[int, ...], desync: tu
     out = {name: data_runs(name, workers) for name in strategies}
     out["desync"] = desync_runs(desync)
     return out
-
-

@@ -10,13 +10,14 @@ import os
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
+import torch
 
-import unison  # noqa: E402
-from helpers import HookRecorder, mlp, regression_data  # noqa: E402
+import unison
+
+from helpers import HookRecorder, mlp, regression_data
 
 #: Partition every parameter under ZeRO-3, however small: DeepSpeed keeps
 #: parameters under 1e5 elements whole by default, so a tiny MLP would never
@@ -62,10 +63,17 @@ class EngineProbe:
         self.footprint = trainer.strategy.memory_footprint()
 
 
-def train(strategy: str, *, model: Any = None, data: Any = None, ckpt_path: Any = None, **settings: Any) -> dict[str, Any]:
+def train(
+    strategy: str, *, model: Any = None, data: Any = None, ckpt_path: Any = None, **settings: Any
+) -> dict[str, Any]:
     """helpers.train's run (same defaults, model, data, optimizer, scheduler) plus the engine probe."""
-    settings = {"accumulate_grad_batches": 4, "global_batch_size": 32, "max_steps": 20, "grad_clip_norm": 0.5,
-                **settings}
+    settings = {
+        "accumulate_grad_batches": 4,
+        "global_batch_size": 32,
+        "max_steps": 20,
+        "grad_clip_norm": 0.5,
+        **settings,
+    }
     recorder, probe = HookRecorder(), EngineProbe()
     trainer = unison.Trainer(strategy=strategy, callbacks=[recorder, probe], **settings)
     with trainer.pm.record_hook_calls() as monitored:
@@ -94,14 +102,23 @@ def train(strategy: str, *, model: Any = None, data: Any = None, ckpt_path: Any 
 def memory_model(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     w = MEMORY_WIDTH
-    return torch.nn.Sequential(torch.nn.Linear(w, w), torch.nn.Tanh(), torch.nn.Linear(w, w), torch.nn.Tanh(),
-                               torch.nn.Linear(w, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(w, w), torch.nn.Tanh(), torch.nn.Linear(w, w), torch.nn.Tanh(), torch.nn.Linear(w, 1)
+    )
 
 
 def footprint(strategy: str, precision: str, options: dict[str, Any]) -> dict[str, int]:
     """Bytes per rank after one optimizer step (optimizer state exists) on the memory model."""
-    run = train(strategy, model=memory_model(), data=regression_data(n=32, d=MEMORY_WIDTH), max_steps=1,
-                accumulate_grad_batches=2, global_batch_size=8, precision=precision, strategy_options=options)
+    run = train(
+        strategy,
+        model=memory_model(),
+        data=regression_data(n=32, d=MEMORY_WIDTH),
+        max_steps=1,
+        accumulate_grad_batches=2,
+        global_batch_size=8,
+        precision=precision,
+        strategy_options=options,
+    )
     return run["footprint"]
 
 
@@ -132,8 +149,9 @@ def deepspeed_scenarios(strategy: str, single_checkpoint: str, checkpoint_dir: s
     train(strategy, max_steps=10, checkpoint_dir=checkpoint_dir, strategy_options=options)
     step10 = Path(checkpoint_dir) / "step-00000010"
     out["resumed"] = train(strategy, max_steps=20, ckpt_path=str(step10), strategy_options=options)
-    out["checkpoint_files"] = sorted(str(p.relative_to(step10 / "state")) for p in (step10 / "state").rglob("*")
-                                     if p.is_file())
+    out["checkpoint_files"] = sorted(
+        str(p.relative_to(step10 / "state")) for p in (step10 / "state").rglob("*") if p.is_file()
+    )
     # Cross-backend: from single's checkpoint (world 1, DCP), and another
     # ZeRO stage from this one's (through the canonical copy).
     out["from_single"] = train(strategy, max_steps=20, ckpt_path=single_checkpoint, strategy_options=options)

@@ -10,6 +10,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import unison
+
 from helpers import mlp, regression_data
 
 
@@ -25,16 +26,31 @@ def nan_on_rank_1(strategy: str) -> dict[str, Any]:
     x = x.clone()
     x[37] = math.nan
     root = _shared_dir("unison-nan-")
-    trainer = unison.Trainer(strategy=strategy, global_batch_size=16, accumulate_grad_batches=2, max_steps=4,
-                             shuffle=False, checkpoint_dir=root, checkpoint_every_n_steps=1)
+    trainer = unison.Trainer(
+        strategy=strategy,
+        global_batch_size=16,
+        accumulate_grad_batches=2,
+        max_steps=4,
+        shuffle=False,
+        checkpoint_dir=root,
+        checkpoint_every_n_steps=1,
+    )
     try:
-        trainer.fit(mlp(), TensorDataset(x, y), loss_fn=torch.nn.functional.mse_loss,
-                    optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+        trainer.fit(
+            mlp(),
+            TensorDataset(x, y),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+        )
         error = None
     except unison.NonFiniteError as exc:
         error = str(exc)
-    return {"error": error, "global_step": trainer.progress.global_step,
-            "optimizer_steps": trainer.progress.optimizer_steps, "root": root}
+    return {
+        "error": error,
+        "global_step": trainer.progress.global_step,
+        "optimizer_steps": trainer.progress.optimizer_steps,
+        "root": root,
+    }
 
 
 class StopOnRank1:
@@ -48,10 +64,21 @@ class StopOnRank1:
 
 def stop_from_one_rank(strategy: str) -> dict[str, Any]:
     root = _shared_dir("unison-stop-")
-    trainer = unison.Trainer(strategy=strategy, global_batch_size=16, accumulate_grad_batches=2, max_steps=10,
-                             checkpoint_dir=root, checkpoint_every_n_steps=2, callbacks=[StopOnRank1()])
-    progress = trainer.fit(mlp(), regression_data(n=64), loss_fn=torch.nn.functional.mse_loss,
-                           optimizer=lambda p: torch.optim.SGD(p, lr=0.05))
+    trainer = unison.Trainer(
+        strategy=strategy,
+        global_batch_size=16,
+        accumulate_grad_batches=2,
+        max_steps=10,
+        checkpoint_dir=root,
+        checkpoint_every_n_steps=2,
+        callbacks=[StopOnRank1()],
+    )
+    progress = trainer.fit(
+        mlp(),
+        regression_data(n=64),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+    )
     return {"global_step": progress.global_step, "root": root, "latest": str(trainer.checkpointer.latest())}
 
 

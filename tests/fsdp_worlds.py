@@ -6,9 +6,11 @@ import collections
 from typing import Any
 
 import torch
-import unison
-from helpers import mlp, regression_data, train
 from torch.profiler import ProfilerActivity, profile
+
+import unison
+
+from helpers import mlp, regression_data, train
 
 
 class TiedMLP(torch.nn.Module):
@@ -33,8 +35,13 @@ class TiedMLP(torch.nn.Module):
 def wide_mlp(d: int = 32, hidden: int = 1024) -> torch.nn.Module:
     """About 1.09M parameters (the memory-footprint model)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
-                               torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(d, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, 1),
+    )
 
 
 def overflow_data() -> torch.utils.data.TensorDataset:
@@ -69,7 +76,9 @@ class ReduceScatterCounter:
     def unison_on_after_backward(self) -> None:
         self._prof.__exit__(None, None, None)
         names = collections.Counter(e.name for e in self._prof.events())
-        self.per_step.append(sum(n for name, n in names.items() if name.startswith("c10d::") and "reduce_scatter" in name))
+        self.per_step.append(
+            sum(n for name, n in names.items() if name.startswith("c10d::") and "reduce_scatter" in name)
+        )
 
 
 class Footprint:
@@ -113,16 +122,30 @@ def fsdp_scenarios(strategy: str, ckpt_root: str) -> dict[str, Any]:
     out["options"] = train(strategy, record=False, strategy_options=options)
     # fp16 overflow on one rank's micro-batch: every rank skips the step and backs the scale off.
     scale = ScaleRecorder()
-    trainer = unison.Trainer(strategy=strategy, callbacks=[scale], precision="16-mixed", accumulate_grad_batches=4,
-                             global_batch_size=32, max_steps=8, grad_clip_norm=0.5)
+    trainer = unison.Trainer(
+        strategy=strategy,
+        callbacks=[scale],
+        precision="16-mixed",
+        accumulate_grad_batches=4,
+        global_batch_size=32,
+        max_steps=8,
+        grad_clip_norm=0.5,
+    )
     progress = trainer.fit(
-        mlp(), overflow_data(), loss_fn=torch.nn.functional.mse_loss,
+        mlp(),
+        overflow_data(),
+        loss_fn=torch.nn.functional.mse_loss,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5),
     )
-    out["overflow"] = {"history": [h.as_dict() for h in progress.history], "optimizer_steps": progress.optimizer_steps,
-                       "scheduler_steps": progress.scheduler_steps, "state": trainer.full_state_dict(),
-                       "scale": scale.scale, "sharded_scaler": scale.sharded}
+    out["overflow"] = {
+        "history": [h.as_dict() for h in progress.history],
+        "optimizer_steps": progress.optimizer_steps,
+        "scheduler_steps": progress.scheduler_steps,
+        "state": trainer.full_state_dict(),
+        "scale": scale.scale,
+        "sharded_scaler": scale.sharded,
+    }
     # Tied weights and a buffer: the default selection leaves the shared weight to the root.
     out["tied"] = train(strategy, model=TiedMLP(), max_steps=10)
     # ... and under the bf16 policy, where the fp32 buffer meets bf16 activations.
@@ -134,14 +157,23 @@ def fsdp_scenarios(strategy: str, ckpt_root: str) -> dict[str, Any]:
     out["resumed"] = train(strategy, max_steps=20, checkpoint_dir=own, ckpt_path="last")
     # A ddp checkpoint (full DCP) resumes under this strategy too.
     train("ddp", max_steps=10, checkpoint_dir=f"{ckpt_root}/ddp-for-{strategy}", record=False)
-    out["from_ddp"] = train(strategy, max_steps=20, ckpt_path=f"{ckpt_root}/ddp-for-{strategy}/step-00000010", record=False)
+    out["from_ddp"] = train(
+        strategy, max_steps=20, ckpt_path=f"{ckpt_root}/ddp-for-{strategy}/step-00000010", record=False
+    )
 
     # Gradient sync: reduce-scatters per optimizer step with accumulation 1 and 4.
     counts = {}
     for accumulate in (1, 4):
         counter = ReduceScatterCounter()
-        _fit(strategy, counter, model=mlp(), data=regression_data(),
-             accumulate_grad_batches=accumulate, global_batch_size=32, max_steps=3)
+        _fit(
+            strategy,
+            counter,
+            model=mlp(),
+            data=regression_data(),
+            accumulate_grad_batches=accumulate,
+            global_batch_size=32,
+            max_steps=3,
+        )
         counts[accumulate] = counter.per_step
     out["reduce_scatters"] = counts
 

@@ -19,8 +19,13 @@ def regression_data(n: int = 512, d: int = 8, seed: int = 123) -> TensorDataset:
 
 def mlp(d: int = 8, hidden: int = 32, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, hidden),
-                               torch.nn.Tanh(), torch.nn.Linear(hidden, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(d, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, 1),
+    )
 
 
 class HookRecorder:
@@ -81,12 +86,26 @@ class HookRecorder:
         self.calls.append(("fit_end", None))
 
 
-def train(strategy: str = "single", *, data: Any = None, model: Any = None, lr: float = 1e-2,
-          scheduler: bool = True, record: bool = True, ckpt_path: Any = None, val: Any = None,
-          **settings: Any) -> dict[str, Any]:
+def train(
+    strategy: str = "single",
+    *,
+    data: Any = None,
+    model: Any = None,
+    lr: float = 1e-2,
+    scheduler: bool = True,
+    record: bool = True,
+    ckpt_path: Any = None,
+    val: Any = None,
+    **settings: Any,
+) -> dict[str, Any]:
     """Train and return what the parity tests compare (on every rank)."""
-    settings = {"accumulate_grad_batches": 4, "global_batch_size": 32, "max_steps": 20, "grad_clip_norm": 0.5,
-                **settings}
+    settings = {
+        "accumulate_grad_batches": 4,
+        "global_batch_size": 32,
+        "max_steps": 20,
+        "grad_clip_norm": 0.5,
+        **settings,
+    }
     recorder = HookRecorder()
     trainer = unison.Trainer(strategy=strategy, callbacks=[recorder] if record else [], **settings)
     with trainer.pm.record_hook_calls() as monitored:

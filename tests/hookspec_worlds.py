@@ -19,8 +19,11 @@ CALLS: collections.Counter[str] = collections.Counter()
 
 
 def specs() -> dict[str, inspect.Signature]:
-    return {name: inspect.signature(fn) for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
-            if name.startswith("unison_")}
+    return {
+        name: inspect.signature(fn)
+        for name, fn in inspect.getmembers(hookspecs, inspect.isfunction)
+        if name.startswith("unison_")
+    }
 
 
 def _make(name: str, params: list[str]):

@@ -35,7 +35,7 @@ class Faults:
             when, who, step, sig = spec.split(":")
             if when not in ("*", str(attempt)):
                 continue
-            if who == "PARENT" and rank == 0 or who == str(rank):
+            if (who == "PARENT" and rank == 0) or who == str(rank):
                 self.at[int(step)] = (who, sig)
 
     @unison.hookimpl
@@ -72,16 +72,33 @@ def main() -> None:
     p.add_argument("--fault", action="append", default=[])
     args = p.parse_args()
     trainer = unison.Trainer(
-        strategy=args.strategy, global_batch_size=8, accumulate_grad_batches=args.accumulate, max_steps=args.steps, seed=0,
-        checkpoint_dir=args.ckpt, checkpoint_every_n_steps=args.every, callbacks=[Faults(args.fault)],
+        strategy=args.strategy,
+        global_batch_size=8,
+        accumulate_grad_batches=args.accumulate,
+        max_steps=args.steps,
+        seed=0,
+        checkpoint_dir=args.ckpt,
+        checkpoint_every_n_steps=args.every,
+        callbacks=[Faults(args.fault)],
     )
-    progress = trainer.fit(model(hidden=args.hidden, layers=args.layers), data(), loss_fn=torch.nn.functional.mse_loss,
-                           optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2), ckpt_path="auto")
+    progress = trainer.fit(
+        model(hidden=args.hidden, layers=args.layers),
+        data(),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        ckpt_path="auto",
+    )
     state = trainer.full_state_dict()
     if trainer.is_global_zero:
         torch.save(state, args.out)
         with open(args.out + ".json", "w") as f:
-            json.dump({"history": [o.as_dict() for o in progress.history], "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}, f)
+            json.dump(
+                {
+                    "history": [o.as_dict() for o in progress.history],
+                    "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

@@ -12,26 +12,34 @@ import os
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("WANDB_SILENT", "true")
 
-import json  # noqa: E402
-import math  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-import urllib.request  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
-from pathlib import Path  # noqa: E402
-from typing import Any, Iterator  # noqa: E402
+import json
+import math
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
-import torch  # noqa: E402
-from torch.utils.data import TensorDataset  # noqa: E402
+import torch
+from torch.utils.data import TensorDataset
 
-import unison  # noqa: E402
-from unison.plugins.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint  # noqa: E402
-from unison.plugins.loggers import (  # noqa: E402
-    CSVLogger, JSONLLogger, MLflowLogger, RunDirectory, TensorBoardLogger, WandbLogger, read_csv, read_jsonl,
+import unison
+from unison.plugins.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+from unison.plugins.loggers import (
+    CSVLogger,
+    JSONLLogger,
+    MLflowLogger,
+    RunDirectory,
+    TensorBoardLogger,
+    WandbLogger,
+    read_csv,
+    read_jsonl,
     read_scalars,
 )
 
@@ -85,19 +93,39 @@ class MetricsRecorder:
         return merged
 
 
-SETTINGS = dict(global_batch_size=16, accumulate_grad_batches=2, max_steps=16, log_every_n_steps=2,
-                val_every_n_steps=2, grad_clip_norm=1.0, seed=0, progress="off")
+SETTINGS = dict(
+    global_batch_size=16,
+    accumulate_grad_batches=2,
+    max_steps=16,
+    log_every_n_steps=2,
+    val_every_n_steps=2,
+    grad_clip_norm=1.0,
+    seed=0,
+    progress="off",
+)
 
 
-def fit(strategy: str, callbacks: Any = (), loggers: Any = (), lr: float = 0.08, gamma: float = 0.9,
-        val: Any = None, **settings: Any) -> unison.Trainer:
+def fit(
+    strategy: str,
+    callbacks: Any = (),
+    loggers: Any = (),
+    lr: float = 0.08,
+    gamma: float = 0.9,
+    val: Any = None,
+    **settings: Any,
+) -> unison.Trainer:
     """Train TokenModel with AdamW and StepLR; the default validation set's loss is U-shaped (best at step 8)."""
-    trainer = unison.Trainer(strategy=strategy, callbacks=list(callbacks), loggers=list(loggers),
-                             **{**SETTINGS, **settings})
-    trainer.fit(TokenModel(), token_data(), loss_fn=torch.nn.functional.cross_entropy,
-                optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
-                lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=gamma),
-                val_dataset=val if val is not None else shifted_val())
+    trainer = unison.Trainer(
+        strategy=strategy, callbacks=list(callbacks), loggers=list(loggers), **{**SETTINGS, **settings}
+    )
+    trainer.fit(
+        TokenModel(),
+        token_data(),
+        loss_fn=torch.nn.functional.cross_entropy,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=lr),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=gamma),
+        val_dataset=val if val is not None else shifted_val(),
+    )
     return trainer
 
 
@@ -110,8 +138,12 @@ def logged_run(strategy: str, root: str, tracking_uri: str | None) -> dict[str, 
     if tracking_uri is not None:
         mlflow = MLflowLogger(run, tracking_uri=tracking_uri, experiment="backends", run_name=strategy)
     checkpoint = ModelCheckpoint(monitor="val/loss", save_top_k=2)
-    trainer = fit(strategy, callbacks=[recorder, LearningRateMonitor(), checkpoint],
-                  loggers=loggers + ([mlflow] if mlflow else []), checkpoint_dir=str(Path(root) / "ckpt"))
+    trainer = fit(
+        strategy,
+        callbacks=[recorder, LearningRateMonitor(), checkpoint],
+        loggers=loggers + ([mlflow] if mlflow else []),
+        checkpoint_dir=str(Path(root) / "ckpt"),
+    )
     return {
         "metrics": recorder.by_step(),
         "calls": recorder.calls,
@@ -128,10 +160,14 @@ def early_stopped_run(strategy: str) -> dict[str, Any]:
     """EarlyStopping on a validation loss that keeps improving, ever more slowly (it stops at step 26)."""
     stopper = EarlyStopping(monitor="val/loss", patience=2, min_delta=0.05)
     recorder = MetricsRecorder()
-    trainer = fit(strategy, callbacks=[stopper, recorder], max_steps=40, lr=0.05, gamma=0.7,
-                  val=token_data(n=40, seed=9))
-    return {"global_step": trainer.global_step, "stopped_step": stopper.stopped_step,
-            "val": {s: m["val/loss"] for s, m in recorder.by_step().items() if "val/loss" in m}}
+    trainer = fit(
+        strategy, callbacks=[stopper, recorder], max_steps=40, lr=0.05, gamma=0.7, val=token_data(n=40, seed=9)
+    )
+    return {
+        "global_step": trainer.global_step,
+        "stopped_step": stopper.stopped_step,
+        "val": {s: m["val/loss"] for s, m in recorder.by_step().items() if "val/loss" in m},
+    }
 
 
 def backend_world(root: str, tracking_uri: str | None) -> dict[str, Any]:
@@ -181,8 +217,13 @@ def wandb_records(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of the offline run, through W&B's own reader (``wandb leet inspect --json``)."""
     files = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, files
-    out = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(files[0])],
-                         capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(files[0])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
@@ -229,14 +270,30 @@ def _free_port() -> int:
 @contextmanager
 def mlflow_server(timeout: float = 180) -> Iterator[str]:
     """Start ``mlflow server`` (sqlite backend, artifacts in a temp dir) and yield its URI; stop it after."""
-    with tempfile.TemporaryDirectory(prefix="unison-mlflow-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="unison-mlflow-") as tmp, open(Path(tmp) / "server.log", "w") as log:
         port = _free_port()
-        log = open(Path(tmp) / "server.log", "w")
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no background job workers
         proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-             "--backend-store-uri", f"sqlite:///{tmp}/mlflow.db", "--artifacts-destination", f"{tmp}/artifacts"],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--workers",
+                "1",
+                "--backend-store-uri",
+                f"sqlite:///{tmp}/mlflow.db",
+                "--artifacts-destination",
+                f"{tmp}/artifacts",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         uri = f"http://127.0.0.1:{port}"
         try:
@@ -260,4 +317,3 @@ def mlflow_server(timeout: float = 180) -> Iterator[str]:
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
-            log.close()

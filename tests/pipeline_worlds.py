@@ -6,7 +6,9 @@ import tempfile
 from typing import Any
 
 import torch
+
 import unison
+
 from helpers import regression_data, train
 
 #: Schedules with two model chunks per rank (the mlp's 5 layers cut into 4 chunks).
@@ -46,6 +48,19 @@ def overflow_data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
+def batchnorm_model() -> torch.nn.Sequential:
+    """An MLP with a real BatchNorm1d (batch statistics, running statistics, num_batches_tracked)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.BatchNorm1d(32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+    )
+
+
+def batchnorm_run(strategy: str) -> dict[str, Any]:
+    # 2 stages and no data parallelism: every BatchNorm sees whole micro-batches, as in one process.
+    return train(strategy, model=batchnorm_model(), max_steps=3)
+
+
 def with_validation(strategy: str, **settings: Any) -> dict[str, Any]:
     log = MetricLog()
     run = train(strategy, val=validation_data(), val_every_n_steps=10, loggers=[log], **settings)
@@ -71,22 +86,29 @@ def pipeline_world_scenarios() -> dict[str, Any]:
     out["1f1b"] = with_validation("pipeline", strategy_options={"schedule": "1f1b"})
     if world == 2:
         out.update(mixed_precision_runs("pipeline"))
+        out["batchnorm"] = batchnorm_run("pipeline")
     # Checkpoints: pipeline -> ddp and ddp -> pipeline, 10 steps under one, 10 under the other.
     a = _shared_dir("unison-pp-to-ddp-")
     train("pipeline", max_steps=10, checkpoint_dir=a)
     out["pipeline_to_ddp"] = train("ddp", max_steps=20, checkpoint_dir=a, ckpt_path="last")
     b = _shared_dir("unison-ddp-to-pp-")
     train("ddp", max_steps=10, checkpoint_dir=b, strategy_options={})
-    out["ddp_to_pipeline"] = train("pipeline", max_steps=20, checkpoint_dir=b, ckpt_path="last",
-                                   strategy_options={"schedule": "1f1b"})
+    out["ddp_to_pipeline"] = train(
+        "pipeline", max_steps=20, checkpoint_dir=b, ckpt_path="last", strategy_options={"schedule": "1f1b"}
+    )
     # and into the V placement, where rank 0 holds the first and the last chunk
-    out["ddp_to_pipeline_zbv"] = with_validation("pipeline", max_steps=20, checkpoint_dir=b,
-                                                 ckpt_path=f"{b}/step-00000010",
-                                                 strategy_options={"schedule": "zbv_zero_bubble"})
+    out["ddp_to_pipeline_zbv"] = with_validation(
+        "pipeline",
+        max_steps=20,
+        checkpoint_dir=b,
+        ckpt_path=f"{b}/step-00000010",
+        strategy_options={"schedule": "zbv_zero_bubble"},
+    )
     # deepspeed_pipeline: the same parity, and checkpoints both ways with the torch pipeline / ddp.
     out["deepspeed_pipeline"] = with_validation("deepspeed_pipeline")
-    out["ddp_to_deepspeed_pipeline"] = train("deepspeed_pipeline", max_steps=20, checkpoint_dir=b,
-                                             ckpt_path=f"{b}/step-00000010")
+    out["ddp_to_deepspeed_pipeline"] = train(
+        "deepspeed_pipeline", max_steps=20, checkpoint_dir=b, ckpt_path=f"{b}/step-00000010"
+    )
     c = _shared_dir("unison-ds-to-pp-")
     train("deepspeed_pipeline", max_steps=10, checkpoint_dir=c)
     out["deepspeed_pipeline_to_pipeline"] = train("pipeline", max_steps=20, checkpoint_dir=c, ckpt_path="last")
@@ -94,5 +116,3 @@ def pipeline_world_scenarios() -> dict[str, Any]:
     # Left for the parent to resume under `single` (another world size).
     out["pipeline_ckpt_dir"] = a
     return out
-
-

@@ -8,7 +8,7 @@ from helpers import regression_data, train
 
 
 class Regressor(torch.nn.Module):
-    pipeline_layers = ["embed", "body", "head"]
+    pipeline_layers = ("embed", "body", "head")
 
     def __init__(self, seed: int = 0) -> None:
         super().__init__()

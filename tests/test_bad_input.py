@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import unison
-from helpers import mlp, regression_data
 from unison.config import load_config
 from unison.ownership import PrecisionSupport
 from unison.registry import StrategySpec
 from unison.strategies.single import SingleStrategy
+
+from helpers import mlp, regression_data
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +61,7 @@ def test_precision_the_strategy_declares_unsupported():
 
 
 def test_unknown_precision_name():
-    with pytest.raises(unison.ConfigurationError, match="precision.*'fp8'"):
+    with pytest.raises(unison.ConfigurationError, match=r"precision.*'fp8'"):
         unison.Trainer(max_steps=1, strategy="single", precision="fp8")
 
 
@@ -81,8 +82,12 @@ def test_batch_sizes_that_do_not_divide(monkeypatch, settings, match):
 def test_dataset_smaller_than_one_global_batch():
     trainer = unison.Trainer(max_steps=1, strategy="single", global_batch_size=64, accumulate_grad_batches=1)
     with pytest.raises(unison.ConfigurationError, match="fewer than one global batch"):
-        trainer.fit(mlp(), regression_data(n=32), loss_fn=torch.nn.functional.mse_loss,
-                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+        trainer.fit(
+            mlp(),
+            regression_data(n=32),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        )
 
 
 def test_single_refuses_a_multi_process_launch(monkeypatch):
@@ -94,21 +99,31 @@ def test_single_refuses_a_multi_process_launch(monkeypatch):
 def test_resume_last_without_checkpoint_dir():
     trainer = unison.Trainer(max_steps=1, strategy="single", global_batch_size=8, accumulate_grad_batches=1)
     with pytest.raises(unison.ConfigurationError, match="ckpt_path"):
-        trainer.fit(mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
-                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1), ckpt_path="last")
+        trainer.fit(
+            mlp(),
+            regression_data(),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            ckpt_path="last",
+        )
 
 
 def test_unknown_config_key_is_rejected_with_its_path(tmp_path):
     cfg = tmp_path / "run.toml"
-    cfg.write_text('[trainer]\nmax_stepz = 3\n[model]\nfactory = "m.py:f"\n[data]\nfactory = "m.py:d"\n[loss]\nfactory = "m.py:l"\n')
+    cfg.write_text(
+        '[trainer]\nmax_stepz = 3\n[model]\nfactory = "m.py:f"\n'
+        '[data]\nfactory = "m.py:d"\n[loss]\nfactory = "m.py:l"\n'
+    )
     with pytest.raises(unison.ConfigurationError, match=r"config key trainer\.max_stepz.*remove or rename"):
         load_config(cfg)
 
 
 def test_yaml_config_nested_unknown_key(tmp_path):
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("trainer: {max_steps: 1}\nmodel: {factory: 'm.py:f', kwarg: {}}\ndata: {factory: 'm.py:d'}\n"
-                   "loss: {factory: 'm.py:l'}\n")
+    cfg.write_text(
+        "trainer: {max_steps: 1}\nmodel: {factory: 'm.py:f', kwarg: {}}\ndata: {factory: 'm.py:d'}\n"
+        "loss: {factory: 'm.py:l'}\n"
+    )
     with pytest.raises(unison.ConfigurationError, match=r"model\.kwarg"):
         load_config(cfg)
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import unison
-from helpers import mlp, regression_data
-from observability_worlds import MetricsRecorder, TokenModel, fit, shifted_val, token_data
 from unison.config import build_callbacks, load_config
 from unison.plugins.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, Profiler, Throughput
+
+from helpers import mlp, regression_data
+from observability_worlds import MetricsRecorder, TokenModel, fit, token_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,8 +48,13 @@ class Saves:
 def run(callbacks, max_steps=10, data=None, model=None, ckpt_path=None, optimizer=None, **settings):
     settings = {"global_batch_size": 16, "max_steps": max_steps, "progress": "off", **settings}
     trainer = unison.Trainer(strategy="single", callbacks=callbacks, **settings)
-    trainer.fit(model or TokenModel(), data or token_data(), loss_fn=torch.nn.functional.cross_entropy,
-                optimizer=optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-2)), ckpt_path=ckpt_path)
+    trainer.fit(
+        model or TokenModel(),
+        data or token_data(),
+        loss_fn=torch.nn.functional.cross_entropy,
+        optimizer=optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-2)),
+        ckpt_path=ckpt_path,
+    )
     return trainer
 
 
@@ -59,12 +65,15 @@ def committed(root: Path) -> list[int]:
 
 
 # -- EarlyStopping ------------------------------------------------------------------------ #
-@pytest.mark.parametrize("mode,values,min_delta,stop", [
-    # min: best 4.0 at step 1; 3.99 and 3.95 are within min_delta 0.1; 2 checks later it stops at step 3
-    ("min", [5.0, 4.0, 3.99, 3.95, 1.0, 1.0], 0.1, 3),
-    ("min", [5.0, 4.0, 3.99, 3.95, 1.0, 1.0], 0.0, None),  # any decrease counts: never stops
-    ("max", [1.0, 2.0, 3.0, 2.5, 3.5, 3.0, 3.0, 4.0], 0.0, 6),  # 2.5 then 3.5 resets the count
-])
+@pytest.mark.parametrize(
+    "mode,values,min_delta,stop",
+    [
+        # min: best 4.0 at step 1; 3.99 and 3.95 are within min_delta 0.1; 2 checks later it stops at step 3
+        ("min", [5.0, 4.0, 3.99, 3.95, 1.0, 1.0], 0.1, 3),
+        ("min", [5.0, 4.0, 3.99, 3.95, 1.0, 1.0], 0.0, None),  # any decrease counts: never stops
+        ("max", [1.0, 2.0, 3.0, 2.5, 3.5, 3.0, 3.0, 4.0], 0.0, 6),  # 2.5 then 3.5 resets the count
+    ],
+)
 def test_early_stopping_counts_checks_without_improvement(mode, values, min_delta, stop):
     stopper = EarlyStopping(monitor="user/score", mode=mode, patience=2, min_delta=min_delta)
     trainer = run([Scripted(values), stopper], max_steps=len(values))
@@ -89,8 +98,9 @@ def test_early_stopping_state_survives_resume(tmp_path):
     assert resumed.stopped_step == 5 and trainer.global_step == 5
 
 
-@pytest.mark.parametrize("kwargs,match", [({"mode": "lowest"}, "mode"), ({"patience": -1}, "patience"),
-                                          ({"min_delta": -0.1}, "min_delta")])
+@pytest.mark.parametrize(
+    "kwargs,match", [({"mode": "lowest"}, "mode"), ({"patience": -1}, "patience"), ({"min_delta": -0.1}, "min_delta")]
+)
 def test_early_stopping_refuses_bad_arguments(kwargs, match):
     with pytest.raises(unison.ConfigurationError, match=match):
         EarlyStopping(**kwargs)
@@ -108,8 +118,13 @@ def test_model_checkpoint_keeps_best_k_by_val_loss_never_the_newest_deleted(tmp_
     assert committed(tmp_path) == sorted({*best, 16})  # ...and still kept
     assert checkpoint.best_steps()[:2] == best
     # a kept best checkpoint is a complete one: training resumes from it
-    state = run([], max_steps=best[0] + 1, data=token_data(), ckpt_path=tmp_path / f"step-{best[0]:08d}",
-                checkpoint_dir=str(tmp_path / "resumed"))
+    state = run(
+        [],
+        max_steps=best[0] + 1,
+        data=token_data(),
+        ckpt_path=tmp_path / f"step-{best[0]:08d}",
+        checkpoint_dir=str(tmp_path / "resumed"),
+    )
     assert state.global_step == best[0] + 1
 
 
@@ -125,8 +140,11 @@ def test_model_checkpoint_ranks_scores_and_keeps_the_newest_even_when_it_is_the_
 
 def test_model_checkpoint_scores_survive_resume(tmp_path):
     scores = [0.5, 0.9, 0.1, 0.7, 0.2, 0.0]
-    run([Scripted(scores), ModelCheckpoint(monitor="user/score", mode="max", save_top_k=1)], max_steps=3,
-        checkpoint_dir=str(tmp_path))
+    run(
+        [Scripted(scores), ModelCheckpoint(monitor="user/score", mode="max", save_top_k=1)],
+        max_steps=3,
+        checkpoint_dir=str(tmp_path),
+    )
     assert committed(tmp_path) == [2, 3]
     resumed = ModelCheckpoint(monitor="user/score", mode="max", save_top_k=1)
     run([Scripted(scores), resumed], max_steps=6, checkpoint_dir=str(tmp_path), ckpt_path="last")
@@ -135,17 +153,24 @@ def test_model_checkpoint_scores_survive_resume(tmp_path):
 
 def test_model_checkpoint_every_n_steps_does_not_repeat_the_trainers_saves(tmp_path):
     saves = Saves()
-    run([ModelCheckpoint(every_n_steps=2), saves], max_steps=9, checkpoint_dir=str(tmp_path),
-        checkpoint_every_n_steps=4)
+    run(
+        [ModelCheckpoint(every_n_steps=2), saves], max_steps=9, checkpoint_dir=str(tmp_path), checkpoint_every_n_steps=4
+    )
     assert saves.steps == [2, 4, 6, 8, 9]  # 4 and 8 by the trainer only, 9 is the trainer's final save
     assert committed(tmp_path) == [2, 4, 6, 8, 9]  # no save_top_k: nothing deleted
 
 
-@pytest.mark.parametrize("settings,kwargs,match", [
-    ({}, {"every_n_steps": 2}, "checkpoint_dir"),
-    ({"checkpoint_dir": "x", "keep_last_n_checkpoints": 2}, {"monitor": "val/loss", "save_top_k": 1},
-     "keep_last_n_checkpoints"),
-])
+@pytest.mark.parametrize(
+    "settings,kwargs,match",
+    [
+        ({}, {"every_n_steps": 2}, "checkpoint_dir"),
+        (
+            {"checkpoint_dir": "x", "keep_last_n_checkpoints": 2},
+            {"monitor": "val/loss", "save_top_k": 1},
+            "keep_last_n_checkpoints",
+        ),
+    ],
+)
 def test_model_checkpoint_refuses_settings_before_any_process_group(settings, kwargs, match):
     with pytest.raises(unison.ConfigurationError, match=match):
         unison.Trainer(strategy="ddp", max_steps=5, callbacks=[ModelCheckpoint(**kwargs)], **settings)
@@ -164,16 +189,30 @@ def test_learning_rate_monitor_logs_named_groups_with_momentum_and_weight_decay(
 
     def groups(params):
         params = list(params)  # embedding weight, then the head's weight and bias
-        return torch.optim.AdamW([{"params": params[:1], "name": "embed", "lr": 0.01, "weight_decay": 0.0},
-                                  {"params": params[1:], "name": "head", "lr": 0.02}], betas=(0.8, 0.99))
+        return torch.optim.AdamW(
+            [
+                {"params": params[:1], "name": "embed", "lr": 0.01, "weight_decay": 0.0},
+                {"params": params[1:], "name": "head", "lr": 0.02},
+            ],
+            betas=(0.8, 0.99),
+        )
 
-    run([LearningRateMonitor(log_momentum=True, log_weight_decay=True), recorder], max_steps=4, optimizer=groups,
-        log_every_n_steps=2)
+    run(
+        [LearningRateMonitor(log_momentum=True, log_weight_decay=True), recorder],
+        max_steps=4,
+        optimizer=groups,
+        log_every_n_steps=2,
+    )
     logged = recorder.by_step()
     assert sorted(logged) == [2, 4]
     assert {k: v for k, v in logged[4].items() if k.split("/")[0] in ("lr", "momentum", "weight_decay")} == {
-        "lr/embed": 0.01, "lr/head": 0.02, "momentum/embed": 0.8, "momentum/head": 0.8,
-        "weight_decay/embed": 0.0, "weight_decay/head": 0.01}
+        "lr/embed": 0.01,
+        "lr/head": 0.02,
+        "momentum/embed": 0.8,
+        "momentum/head": 0.8,
+        "weight_decay/embed": 0.0,
+        "weight_decay/head": 0.01,
+    }
     assert logged[4]["train/lr-group1"] == 0.02  # the trainer's own per-group learning rates
 
 
@@ -200,8 +239,12 @@ def test_throughput_measures_steps_samples_tokens_and_memory_on_logging_steps():
 def test_throughput_has_no_tokens_for_float_inputs_and_is_off_by_setting():
     recorder = MetricsRecorder()
     trainer = unison.Trainer(strategy="single", global_batch_size=16, max_steps=2, progress="off", callbacks=[recorder])
-    trainer.fit(mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
-                optimizer=lambda params: torch.optim.SGD(params, lr=0.01))
+    trainer.fit(
+        mlp(),
+        regression_data(),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
+    )
     assert "perf/samples_per_s" in recorder.by_step()[2] and "perf/tokens_per_s" not in recorder.by_step()[2]
     recorder = MetricsRecorder()
     trainer = run([recorder], max_steps=2, throughput=False)
@@ -259,7 +302,9 @@ def test_callbacks_from_a_config_file(tmp_path):
 
 
 def textwrap_callbacks() -> str:
-    return ('\n[[callbacks]]\nfactory = "unison.plugins.callbacks:EarlyStopping"\n'
-            'kwargs = { monitor = "val/loss", patience = 4 }\n'
-            '\n[[callbacks]]\nfactory = "unison.plugins.callbacks:ModelCheckpoint"\n'
-            'kwargs = { monitor = "val/loss", save_top_k = 2 }\n')
+    return (
+        '\n[[callbacks]]\nfactory = "unison.plugins.callbacks:EarlyStopping"\n'
+        'kwargs = { monitor = "val/loss", patience = 4 }\n'
+        '\n[[callbacks]]\nfactory = "unison.plugins.callbacks:ModelCheckpoint"\n'
+        'kwargs = { monitor = "val/loss", save_top_k = 2 }\n'
+    )

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import unison
-from helpers import max_abs_diff, mlp, regression_data, train
 from unison.checkpoint import Checkpointer
+
+from helpers import max_abs_diff, mlp, regression_data, train
 
 
 class CrashOnSecondSave:
@@ -27,14 +28,26 @@ class CrashOnSecondSave:
 
 
 def fit(trainer, **kw):
-    return trainer.fit(mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
-                       optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), **kw)
+    return trainer.fit(
+        mlp(),
+        regression_data(),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        **kw,
+    )
 
 
 def test_crash_during_save_keeps_previous_checkpoint_latest(tmp_path):
     crash = CrashOnSecondSave()
-    trainer = unison.Trainer(strategy="single", global_batch_size=16, accumulate_grad_batches=2, max_steps=10,
-                             checkpoint_dir=str(tmp_path), checkpoint_every_n_steps=4, callbacks=[crash])
+    trainer = unison.Trainer(
+        strategy="single",
+        global_batch_size=16,
+        accumulate_grad_batches=2,
+        max_steps=10,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every_n_steps=4,
+        callbacks=[crash],
+    )
     with pytest.raises(RuntimeError, match="disk full"):
         fit(trainer)
     assert crash.exceptions == [(8, "disk full (simulated in a real save)")]  # unison_on_exception fired once
@@ -43,8 +56,14 @@ def test_crash_during_save_keeps_previous_checkpoint_latest(tmp_path):
     assert not (tmp_path / "step-00000008").exists()
     # The crashed attempt left only a .partial directory, which resume ignores.
     assert (tmp_path / ".step-00000008.partial").exists()
-    resumed = unison.Trainer(strategy="single", global_batch_size=16, accumulate_grad_batches=2, max_steps=10,
-                             checkpoint_dir=str(tmp_path), checkpoint_every_n_steps=4)
+    resumed = unison.Trainer(
+        strategy="single",
+        global_batch_size=16,
+        accumulate_grad_batches=2,
+        max_steps=10,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every_n_steps=4,
+    )
     progress = fit(resumed, ckpt_path="last")
     assert progress.global_step == 10 and progress.history[0]["step"] == 4 and len(progress.history) == 6
     assert ckpt.latest() == tmp_path / "step-00000010"
@@ -52,8 +71,15 @@ def test_crash_during_save_keeps_previous_checkpoint_latest(tmp_path):
 
 
 def test_keep_last_n_prunes_only_committed_older_checkpoints(tmp_path):
-    trainer = unison.Trainer(strategy="single", global_batch_size=16, accumulate_grad_batches=2, max_steps=9,
-                             checkpoint_dir=str(tmp_path), checkpoint_every_n_steps=2, keep_last_n_checkpoints=2)
+    trainer = unison.Trainer(
+        strategy="single",
+        global_batch_size=16,
+        accumulate_grad_batches=2,
+        max_steps=9,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every_n_steps=2,
+        keep_last_n_checkpoints=2,
+    )
     fit(trainer)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000008", "step-00000009"]
     assert (tmp_path / "latest").read_text().strip() == "step-00000009"
@@ -70,5 +96,6 @@ def test_single_resume_is_bitwise(tmp_path):
 
 def test_resume_from_a_path_that_is_not_a_checkpoint(tmp_path):
     trainer = unison.Trainer(strategy="single", global_batch_size=16, max_steps=2)
-    with pytest.raises(FileNotFoundError, match="not a committed unison checkpoint"):
+    with pytest.raises(unison.ConfigurationError, match=r"ckpt_path: .* is not a committed unison checkpoint"):
         fit(trainer, ckpt_path=str(tmp_path))
+    assert not trainer.setup_started

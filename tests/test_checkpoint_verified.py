@@ -22,13 +22,14 @@ import pytest
 import torch
 
 import unison
-from helpers import max_abs_diff, mlp, regression_data, train
 from unison.checkpoint import Checkpointer, CheckpointWarning
 from unison.lifecycle import PREEMPTED_EXIT_CODE, Preempted
 from unison.manifest import CheckpointError, CorruptCheckpointError, Manifest, verify
 from unison.safe_io import UnsafeStateError, decode_rng, dumps, encode_rng, loads
 from unison.state import rng_state, set_rng_state
 from unison.storage import LocalStorage
+
+from helpers import max_abs_diff, mlp, regression_data, train
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"accumulate_grad_batches": 2, "global_batch_size": 16, "grad_clip_norm": None}
@@ -82,8 +83,13 @@ def test_pruning_with_higher_numbered_checkpoints_present_keeps_the_new_one_and_
     assert names(tmp_path) == ["step-00000015", "step-00000020"]
     # Resume the same run from step 15 and train to 18: steps 16-18 are newer
     # commits than step 20, though their names sort before it.
-    run(tmp_path, max_steps=18, checkpoint_every_n_steps=1, keep_last_n_checkpoints=2,
-        ckpt_path=tmp_path / "step-00000015")
+    run(
+        tmp_path,
+        max_steps=18,
+        checkpoint_every_n_steps=1,
+        keep_last_n_checkpoints=2,
+        ckpt_path=tmp_path / "step-00000015",
+    )
     assert names(tmp_path) == ["step-00000017", "step-00000018"]
     assert latest(tmp_path) == "step-00000018"
     assert Checkpointer(tmp_path).latest() == tmp_path / "step-00000018"
@@ -92,9 +98,11 @@ def test_pruning_with_higher_numbered_checkpoints_present_keeps_the_new_one_and_
 
 def test_keep_one_never_deletes_what_was_just_committed(tmp_path):
     run(tmp_path, max_steps=6, checkpoint_every_n_steps=3, keep_last_n_checkpoints=1)
-    run(tmp_path, max_steps=4, checkpoint_every_n_steps=1, keep_last_n_checkpoints=1, ckpt_path="auto")
-    # auto resumed at step 6 (>= max_steps 4): nothing trained, nothing re-saved.
-    assert names(tmp_path) == ["step-00000006"] and latest(tmp_path) == "step-00000006"
+    # auto would resume at step 6, beyond max_steps 4: refused before anything runs, nothing touched.
+    with pytest.raises(unison.ConfigurationError, match="beyond max_steps=4"):
+        run(tmp_path, max_steps=4, checkpoint_every_n_steps=1, keep_last_n_checkpoints=1, ckpt_path="auto")
+    run(tmp_path, max_steps=8, checkpoint_every_n_steps=1, keep_last_n_checkpoints=1, ckpt_path="auto")
+    assert names(tmp_path) == ["step-00000008"] and latest(tmp_path) == "step-00000008"
 
 
 class CrashAfterCommit(Checkpointer):
@@ -112,6 +120,7 @@ def test_resaving_a_step_commits_the_new_copy_before_removing_the_old(tmp_path):
             (directory / "state").mkdir()
             torch.save({"w": torch.tensor([value])}, directory / "state" / "w.pt")
             return {"strategy": "single", "world_size": 1, "precision": "32-true", "state_dict": {}}
+
         return write
 
     first = ck.save(5, writer(1.0))
@@ -136,7 +145,7 @@ def test_resaving_a_step_commits_the_new_copy_before_removing_the_old(tmp_path):
 def test_a_fresh_run_refuses_a_directory_holding_another_runs_checkpoints(tmp_path):
     run(tmp_path, max_steps=4, checkpoint_every_n_steps=2)
     before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
-    with pytest.raises(unison.ConfigurationError, match="checkpoint_dir.*another run.*ckpt_path='auto'"):
+    with pytest.raises(unison.ConfigurationError, match=r"checkpoint_dir.*another run.*ckpt_path='auto'"):
         run(tmp_path, max_steps=4)
     other = tmp_path.parent / (tmp_path.name + "-other")
     run(other, max_steps=2)
@@ -155,7 +164,9 @@ def test_auto_starts_fresh_then_resumes_bitwise(tmp_path):
 
 
 def test_last_needs_a_committed_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
+    with pytest.raises(
+        unison.ConfigurationError, match=r"ckpt_path.*'last' but .* holds no committed checkpoint.*'auto'"
+    ):
         run(tmp_path, max_steps=2, ckpt_path="last")
 
 
@@ -176,7 +187,7 @@ def test_a_flipped_byte_is_refused_naming_the_file_and_auto_falls_back(tmp_path)
     flip_byte(tensors)
     with pytest.raises(CorruptCheckpointError, match=r"step-00000006 is corrupt: state/__0_0\.distcp: sha256"):
         run(root, max_steps=8, ckpt_path=root / "step-00000006")
-    with pytest.raises(CorruptCheckpointError, match="state/__0_0.distcp"):
+    with pytest.raises(CorruptCheckpointError, match=r"state/__0_0.distcp"):
         run(root, max_steps=8, ckpt_path="last")
     with pytest.warns(CheckpointWarning, match="step-00000006 is corrupt.*falling back"):
         resumed = run(root, max_steps=8, ckpt_path="auto")
@@ -198,7 +209,7 @@ def test_a_truncated_file_is_refused_naming_it(tmp_path):
 def test_a_file_not_in_the_manifest_is_refused(tmp_path):
     run(tmp_path, max_steps=2)
     (tmp_path / "step-00000002" / "state" / "extra.bin").write_bytes(b"planted")
-    with pytest.raises(CorruptCheckpointError, match="state/extra.bin: not listed in the manifest"):
+    with pytest.raises(CorruptCheckpointError, match=r"state/extra.bin: not listed in the manifest"):
         verify(LocalStorage(), tmp_path / "step-00000002")
 
 
@@ -219,7 +230,9 @@ def test_a_crafted_trainer_state_is_refused_without_running_it(tmp_path, manifes
     torch.save({"progress": Exploit(marker)}, ckpt / "trainer.pt")
     if manifest_too:
         rewrite_manifest(ckpt, "trainer.pt")
-    with pytest.raises(CorruptCheckpointError, match="trainer.pt: " + ("would unpickle" if manifest_too else "size|sha256")):
+    with pytest.raises(
+        CorruptCheckpointError, match="trainer.pt: " + ("would unpickle" if manifest_too else "size|sha256")
+    ):
         run(tmp_path, max_steps=4, ckpt_path="last")
     assert not marker.exists()
 
@@ -245,7 +258,7 @@ def test_loads_refuses_arbitrary_objects_and_dumps_refuses_to_write_them(tmp_pat
     with pytest.raises(UnsafeStateError, match="refusing to unpickle"):
         loads(buffer.getvalue(), "crafted.pt")
     assert not marker.exists()
-    with pytest.raises(UnsafeStateError, match="test_checkpoint_verified.Opaque"):
+    with pytest.raises(UnsafeStateError, match=r"test_checkpoint_verified.Opaque"):
         dumps({"plugin": Opaque()}, "the trainer state")
 
 
@@ -256,11 +269,16 @@ class StoresAnObject:
 
 
 def test_a_plugin_storing_an_arbitrary_object_fails_at_save_with_its_type(tmp_path):
-    trainer = unison.Trainer(strategy="single", max_steps=2, global_batch_size=16, checkpoint_dir=str(tmp_path),
-                             callbacks=[StoresAnObject()])
-    with pytest.raises(UnsafeStateError, match="pathlib.PosixPath"):
-        trainer.fit(mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
-                    optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    trainer = unison.Trainer(
+        strategy="single", max_steps=2, global_batch_size=16, checkpoint_dir=str(tmp_path), callbacks=[StoresAnObject()]
+    )
+    with pytest.raises(UnsafeStateError, match=r"pathlib.PosixPath"):
+        trainer.fit(
+            mlp(),
+            regression_data(),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        )
     assert not list(tmp_path.glob("step-*"))
 
 
@@ -292,13 +310,23 @@ class SignalAt:
 def test_a_stop_signal_commits_the_step_and_exits_75_then_auto_continues_bitwise(tmp_path, sig):
     full = run(tmp_path / "full", max_steps=10)
     root = tmp_path / "run"
-    trainer = unison.Trainer(strategy="single", max_steps=10, checkpoint_dir=str(root), checkpoint_every_n_steps=4,
-                             callbacks=[SignalAt(6, sig)], **SMALL)
+    trainer = unison.Trainer(
+        strategy="single",
+        max_steps=10,
+        checkpoint_dir=str(root),
+        checkpoint_every_n_steps=4,
+        callbacks=[SignalAt(6, sig)],
+        **SMALL,
+    )
     previous = signal.getsignal(sig)
     with pytest.raises(Preempted) as info:
-        trainer.fit(mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
-                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
-                    lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5))
+        trainer.fit(
+            mlp(),
+            regression_data(),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+            lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5),
+        )
     assert isinstance(info.value, SystemExit) and info.value.code == PREEMPTED_EXIT_CODE == 75
     assert info.value.step == 6 and info.value.signal_name == sig.name
     assert signal.getsignal(sig) == previous  # handlers restored
@@ -313,8 +341,14 @@ def test_a_stop_signal_commits_the_step_and_exits_75_then_auto_continues_bitwise
 # unison checkpoint inspect | verify | export
 # --------------------------------------------------------------------------- #
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "unison.cli", "checkpoint", *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "unison.cli", "checkpoint", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=ROOT,
+    )
 
 
 def test_checkpoint_cli_inspect_verify_export(tmp_path):
@@ -345,15 +379,17 @@ def test_checkpoint_cli_inspect_verify_export(tmp_path):
 def test_verify_all_bad_manifests_under_auto_is_an_error(tmp_path):
     run(tmp_path, max_steps=2)
     (tmp_path / "step-00000002" / "manifest.json").write_text("{ not json")
-    with pytest.raises(CheckpointError, match="no committed checkpoint .* verifies"):
-        with pytest.warns(CheckpointWarning, match="manifest.json: unreadable"):
-            run(tmp_path, max_steps=4, ckpt_path="auto")
+    with (
+        pytest.raises(CheckpointError, match=r"no committed checkpoint .* verifies"),
+        pytest.warns(CheckpointWarning, match="manifest.json: unreadable"),
+    ):
+        run(tmp_path, max_steps=4, ckpt_path="auto")
 
 
 # --------------------------------------------------------------------------- #
 # unison train --resume
 # --------------------------------------------------------------------------- #
-FACTORIES = '''
+FACTORIES = """
 import torch
 from torch.utils.data import TensorDataset
 
@@ -369,7 +405,7 @@ def datasets():
 
 
 loss = torch.nn.functional.mse_loss
-'''
+"""
 
 
 def test_unison_train_refuses_a_used_directory_and_resumes_with_resume_auto(tmp_path):
@@ -391,9 +427,14 @@ factory = "factories.py:loss"
 ''')
 
     def train_cli(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "unison.cli", "train", str(tmp_path / "run.toml"), *args],
-                              capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return subprocess.run(
+            [sys.executable, "-m", "unison.cli", "train", str(tmp_path / "run.toml"), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
 
     first = train_cli()
     assert first.returncode == 0, first.stderr

@@ -51,9 +51,10 @@ def test_train_rejects_unknown_config_key_before_starting(tmp_path):
 @pytest.mark.distributed
 def test_run_starts_a_torchrun_world_for_a_plain_script(tmp_path):
     script = tmp_path / "train_ddp.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, sys, torch
-        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        sys.path.insert(0, {str(ROOT / "tests")!r})
         import unison
         from helpers import mlp, regression_data
         t = unison.Trainer(strategy="ddp", global_batch_size=16, accumulate_grad_batches=2, max_steps=3)
@@ -61,7 +62,8 @@ def test_run_starts_a_torchrun_world_for_a_plain_script(tmp_path):
                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
         with open(sys.argv[1] + f"/rank{{t.env.rank}}.json", "w") as f:
             json.dump({{"world": t.env.world_size, "steps": p.optimizer_steps}}, f)
-    """))
+    """)
+    )
     out = run("run", "--nproc", "2", str(script), str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     for rank in (0, 1):
@@ -72,7 +74,7 @@ def test_example_trains_end_to_end(tmp_path):
     out = run("train", str(ROOT / "examples" / "tinylm.toml"), "--max-steps", "30", cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "final train loss" in out.stdout and "final validation loss" in out.stdout
-    lines = [json.loads(l) for l in (tmp_path / "runs/tinylm/version_0/metrics.jsonl").read_text().splitlines()]
-    losses = [l["train/loss"] for l in lines if "train/loss" in l]
+    lines = [json.loads(line) for line in (tmp_path / "runs/tinylm/version_0/metrics.jsonl").read_text().splitlines()]
+    losses = [line["train/loss"] for line in lines if "train/loss" in line]
     assert losses[-1] < losses[0] < 6.0  # it learns from ln(256)=5.5
     assert (tmp_path / "runs/tinylm/checkpoints/latest").read_text().strip() == "step-00000030"

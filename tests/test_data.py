@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset
 
 import unison
-from data_worlds import NestedDataset, NestedStream, build_model, fit, nested_step
-from helpers import max_abs_diff, mlp, regression_data
 from unison.batch import batch_size, count_tokens, map_tensors, move_to_device, split_batch
 from unison.data import local_slices, stream_global_batches
+
+from data_worlds import NestedDataset, NestedStream, build_model, fit, nested_step
+from helpers import max_abs_diff, mlp, regression_data
 
 
 def _sgd(params):
@@ -38,7 +39,9 @@ def test_map_tensors_keeps_containers_and_non_tensor_leaves():
 
 def test_batch_size_agrees_or_names_the_leaf():
     assert batch_size({"a": torch.ones(4, 2), "b": [torch.zeros(4)], "c": torch.tensor(1.0), "d": "x"}) == 4
-    with pytest.raises(unison.ConfigurationError, match=r"batch\['b'\]\[0\] has 3 rows along dim 0 but batch\['a'\] has 4"):
+    with pytest.raises(
+        unison.ConfigurationError, match=r"batch\['b'\]\[0\] has 3 rows along dim 0 but batch\['a'\] has 4"
+    ):
         batch_size({"a": torch.ones(4, 2), "b": [torch.zeros(3)]})
 
 
@@ -103,8 +106,9 @@ def test_hugging_face_datasets_map_style_and_streaming_with_workers():
         return ((out - batch["y"]).pow(2).squeeze(-1) * batch["w"]).mean()
 
     def run(source, workers):
-        trainer = unison.Trainer(global_batch_size=16, accumulate_grad_batches=2, max_steps=6, seed=3,
-                                 num_workers=workers, shuffle=False)
+        trainer = unison.Trainer(
+            global_batch_size=16, accumulate_grad_batches=2, max_steps=6, seed=3, num_workers=workers, shuffle=False
+        )
         progress = trainer.fit(build_model, source, training_step=step, optimizer=_sgd)
         return trainer.full_state_dict(), [h.loss for h in progress.history]
 
@@ -165,8 +169,11 @@ def _refused(match, **fit_kwargs):
 
 
 def test_a_batch_the_loss_fn_form_cannot_take():
-    _refused(r"loss_fn: the loss_fn form needs each batch to be \(inputs, targets\), but the collated batch is a "
-             r"dict with keys \['x', 'y', 'meta'\].*training_step=", loss_fn=torch.nn.functional.mse_loss)
+    _refused(
+        r"loss_fn: the loss_fn form needs each batch to be \(inputs, targets\), but the collated batch is a "
+        r"dict with keys \['x', 'y', 'meta'\].*training_step=",
+        loss_fn=torch.nn.functional.mse_loss,
+    )
 
 
 def test_leaves_with_disagreeing_batch_sizes():
@@ -175,8 +182,9 @@ def test_leaves_with_disagreeing_batch_sizes():
         batch["y"] = batch["y"][:-1]
         return batch
 
-    _refused(r"batch\['y'\] has 7 rows along dim 0 but batch\['x'\] has 8", training_step=nested_step,
-             collate_fn=collate)
+    _refused(
+        r"batch\['y'\] has 7 rows along dim 0 but batch\['x'\] has 8", training_step=nested_step, collate_fn=collate
+    )
 
 
 def test_an_iterable_shorter_than_one_global_batch():
@@ -199,8 +207,9 @@ def test_both_or_neither_max_steps_and_max_epochs():
 
 def test_exactly_one_of_loss_fn_and_training_step():
     _refused("pass exactly one of loss_fn and training_step")
-    _refused("pass exactly one of loss_fn and training_step", training_step=nested_step,
-             loss_fn=torch.nn.functional.mse_loss)
+    _refused(
+        "pass exactly one of loss_fn and training_step", training_step=nested_step, loss_fn=torch.nn.functional.mse_loss
+    )
     _refused(r"training_step\(model, batch\)", training_step=lambda batch: batch)
 
 
@@ -211,7 +220,7 @@ def test_a_factory_that_does_not_return_a_module():
 def test_pipeline_refuses_the_training_step_form_naming_the_fix(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     trainer = unison.Trainer(strategy="pipeline", global_batch_size=16, accumulate_grad_batches=2, max_steps=2)
-    with pytest.raises(unison.DeclaredRefusal, match="does not support the training_step.*Pass loss_fn") as info:
+    with pytest.raises(unison.DeclaredRefusal, match=r"does not support the training_step.*Pass loss_fn") as info:
         trainer.fit(mlp(), NestedDataset(), training_step=nested_step, optimizer=_sgd)
     assert info.value.feature == "training_step" and not torch.distributed.is_initialized()
 

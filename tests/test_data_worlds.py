@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from unison.launch import spawn
+
 from data_worlds import EPOCHS, RESUME_AT, data_runs, rank0_init_reference, world_runs
 from helpers import max_abs_diff
-from unison.launch import spawn
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 

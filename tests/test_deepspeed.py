@@ -10,14 +10,16 @@ import pytest
 import torch
 
 import unison
-from deepspeed_worlds import MEMORY_WIDTH, deepspeed_scenarios  # sets DS_ACCELERATOR=cpu first
-from helpers import max_abs_diff, train
 from unison.launch import spawn
 from unison.strategies.deepspeed import BF16_TOLERANCE
+
+from deepspeed_worlds import MEMORY_WIDTH, deepspeed_scenarios  # sets DS_ACCELERATOR=cpu first
+from helpers import max_abs_diff, train
 
 STAGES = ["zero1", "zero2", "zero3"]
 FP32_TOL = 1e-5
 NORM_REL = 1e-5
+
 
 #: Bytes per parameter per rank at world N, as the ZeRO paper counts them
 #: (params + grads + optimizer state, Adam: master copy + two moments), for
@@ -88,7 +90,8 @@ def test_offload_trains_like_the_reference(world):
     for rank in ranks:
         assert max_abs_diff(rank["offload"]["state"], ref["state"]) <= FP32_TOL
         assert [h["grad_norm"] for h in rank["offload"]["history"]] == pytest.approx(
-            [h["grad_norm"] for h in ref["history"]], rel=NORM_REL)
+            [h["grad_norm"] for h in ref["history"]], rel=NORM_REL
+        )
 
 
 @pytest.mark.distributed
@@ -142,7 +145,7 @@ def test_checkpoint_holds_deepspeed_shards_and_the_canonical_copy_as_declared(wo
 
 @pytest.mark.distributed
 def test_cross_backend_and_cross_world_resume(world, reference):
-    name, ranks, checkpoint = world
+    _, ranks, checkpoint = world
     ref = reference["fp32"]
     for rank in ranks:
         uninterrupted = rank["fp32"]
@@ -154,7 +157,8 @@ def test_cross_backend_and_cross_world_resume(world, reference):
             assert run["optimizer_steps"] == run["scheduler_steps"] == 20
             assert [h["lr"] for h in run["history"]] == [h["lr"] for h in ref["history"]][10:]
             assert [h["grad_norm"] for h in run["history"]] == pytest.approx(
-                [h["grad_norm"] for h in ref["history"]][10:], rel=NORM_REL)
+                [h["grad_norm"] for h in ref["history"]][10:], rel=NORM_REL
+            )
     # this stage (world 2) -> single (world 1)
     resumed = train("single", max_steps=20, ckpt_path=checkpoint)
     assert max_abs_diff(resumed["state"], ref["state"]) <= FP32_TOL
@@ -193,7 +197,9 @@ def _refused(**settings) -> unison.ConfigurationError:
 @pytest.mark.parametrize("strategy", STAGES)
 def test_conflicting_config_key_names_both(strategy):
     err = _refused(strategy=strategy, strategy_options={"config": {"gradient_accumulation_steps": 8}})
-    assert "strategy_options.config['gradient_accumulation_steps']=8 conflicts with accumulate_grad_batches=4" in str(err)
+    assert "strategy_options.config['gradient_accumulation_steps']=8 conflicts with accumulate_grad_batches=4" in str(
+        err
+    )
     err = _refused(strategy=strategy, grad_clip_norm=0.5, strategy_options={"config": {"gradient_clipping": 1.0}})
     assert "conflicts with grad_clip_norm=0.5" in str(err)
     err = _refused(strategy=strategy, strategy_options={"config": {"zero_optimization": {"stage": 0}}})
@@ -201,8 +207,15 @@ def test_conflicting_config_key_names_both(strategy):
     err = _refused(strategy=strategy, strategy_options={"config": {"bf16": {"enabled": True}}})
     assert "conflicts with precision='32-true'" in str(err)
     # A key unison does not own merges; an equal value is no conflict.
-    unison.Trainer(max_steps=1, strategy=strategy, accumulate_grad_batches=4, global_batch_size=32,
-                   strategy_options={"config": {"gradient_accumulation_steps": 4, "zero_optimization": {"reduce_bucket_size": 1000}}})
+    unison.Trainer(
+        max_steps=1,
+        strategy=strategy,
+        accumulate_grad_batches=4,
+        global_batch_size=32,
+        strategy_options={
+            "config": {"gradient_accumulation_steps": 4, "zero_optimization": {"reduce_bucket_size": 1000}}
+        },
+    )
 
 
 @pytest.mark.parametrize("section", ["optimizer", "scheduler"])
@@ -249,8 +262,14 @@ def test_declaration():
             assert not fp16.supported and "Type fp16 is not supported on your device" in fp16.detail
         assert not own.precision["bf16-true"].supported
         assert own.non_conformant is None
-        settings = unison.TrainerSettings(strategy=name, accumulate_grad_batches=4, global_batch_size=32,
-                                          grad_clip_norm=0.5, precision="bf16-mixed", max_steps=1)
+        settings = unison.TrainerSettings(
+            strategy=name,
+            accumulate_grad_batches=4,
+            global_batch_size=32,
+            grad_clip_norm=0.5,
+            precision="bf16-mixed",
+            max_steps=1,
+        )
         config = strategy.build_config(settings, 2)
         assert config["zero_optimization"]["stage"] == stage
         assert config["train_micro_batch_size_per_gpu"] == 4 and config["gradient_accumulation_steps"] == 4

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
 import unison
-from helpers import mlp, regression_data
 from unison.checkpoint import Checkpointer
+
+from helpers import mlp, regression_data
 
 
 def poisoned_data(n: int = 64, index: int = 40, value: float = math.nan) -> TensorDataset:
@@ -27,8 +28,9 @@ def poisoned_data(n: int = 64, index: int = 40, value: float = math.nan) -> Tens
 
 def _fit(trainer, data=None, model=None, **kwargs):
     args = {"loss_fn": torch.nn.functional.mse_loss, "optimizer": lambda p: torch.optim.SGD(p, lr=0.05), **kwargs}
-    return trainer.fit(model if model is not None else mlp(), data if data is not None else regression_data(n=64),
-                       **args)
+    return trainer.fit(
+        model if model is not None else mlp(), data if data is not None else regression_data(n=64), **args
+    )
 
 
 def _all_finite(path: Path) -> bool:
@@ -49,10 +51,19 @@ def _all_finite(path: Path) -> bool:
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("value", [math.nan, math.inf])
 def test_a_non_finite_loss_stops_the_run_at_that_step_without_a_bad_checkpoint(tmp_path, precision, value):
-    trainer = unison.Trainer(global_batch_size=16, accumulate_grad_batches=2, max_steps=4, shuffle=False,
-                             precision=precision, checkpoint_dir=str(tmp_path), checkpoint_every_n_steps=1,
-                             keep_last_n_checkpoints=1)
-    with pytest.raises(unison.NonFiniteError, match=r"step 2: the loss was non-finite first at micro-batch 1 on rank 0"):
+    trainer = unison.Trainer(
+        global_batch_size=16,
+        accumulate_grad_batches=2,
+        max_steps=4,
+        shuffle=False,
+        precision=precision,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every_n_steps=1,
+        keep_last_n_checkpoints=1,
+    )
+    with pytest.raises(
+        unison.NonFiniteError, match=r"step 2: the loss was non-finite first at micro-batch 1 on rank 0"
+    ):
         _fit(trainer, poisoned_data(index=40, value=value))  # step 2 = samples 32..47, micro-batch 1 = 40..47
     assert trainer.progress.global_step == 2 and trainer.progress.optimizer_steps == 2
     latest = Checkpointer(tmp_path).latest()
@@ -63,8 +74,11 @@ def test_a_non_finite_loss_stops_the_run_at_that_step_without_a_bad_checkpoint(t
 
 def test_skip_policy_skips_and_counts_the_step_and_the_scheduler():
     trainer = unison.Trainer(global_batch_size=16, max_steps=4, shuffle=False, nonfinite="skip")
-    progress = _fit(trainer, poisoned_data(index=20),
-                    lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5))
+    progress = _fit(
+        trainer,
+        poisoned_data(index=20),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
+    )
     assert [h.skipped for h in progress.history] == [False, True, False, False]
     assert progress.skipped_steps == 1 and progress.optimizer_steps == progress.scheduler_steps == 3
     assert all(torch.isfinite(t).all() for t in trainer.full_state_dict().values())
@@ -100,8 +114,10 @@ def _refused(option_match: str, trainer_kwargs: dict | None = None, **fit_kwargs
 
 def test_an_optimizer_factory_that_ignores_its_params_is_refused():
     other = torch.nn.Linear(3, 3)
-    _refused(r"optimizer: the optimizer holds 0 of the 6 trainable parameters",
-             optimizer=lambda params: torch.optim.SGD(other.parameters(), lr=0.1))
+    _refused(
+        r"optimizer: the optimizer holds 0 of the 6 trainable parameters",
+        optimizer=lambda params: torch.optim.SGD(other.parameters(), lr=0.1),
+    )
 
 
 @pytest.mark.parametrize("returned", ["adam", None, 3])
@@ -110,8 +126,10 @@ def test_an_optimizer_factory_returning_something_else(returned):
 
 
 def test_an_optimizer_instance_instead_of_a_factory():
-    _refused(r"optimizer: .*callable|optimizer: .*cannot be called",
-             optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+    _refused(
+        r"optimizer: .*callable|optimizer: .*cannot be called",
+        optimizer=torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+    )
 
 
 def test_a_scheduler_factory_returning_a_number():
@@ -132,8 +150,10 @@ def test_a_loss_that_is_not_a_scalar_tensor(loss):
         _fit(trainer, loss_fn=loss)
 
 
-@pytest.mark.parametrize("bad", [{"global_batch_size": True}, {"shuffle": "yes"}, {"max_steps": "3"},
-                                 {"grad_clip_norm": False}, {"seed": 1.5}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"global_batch_size": True}, {"shuffle": "yes"}, {"max_steps": "3"}, {"grad_clip_norm": False}, {"seed": 1.5}],
+)
 def test_no_coercion_of_bools_and_strings(bad):
     with pytest.raises(unison.ConfigurationError) as info:
         unison.Trainer(**{"max_steps": 2, **bad})
@@ -147,6 +167,40 @@ def test_strategy_options_are_strict_too():
 
 def test_an_empty_validation_set():
     _refused(r"val_dataset: the validation dataset is empty", val_dataset=[])
+
+
+def test_an_unwritable_checkpoint_dir_is_refused_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    trainer = unison.Trainer(global_batch_size=16, max_steps=2, checkpoint_dir=str(blocker / "ckpt"))
+    with pytest.raises(unison.ConfigurationError, match=r"checkpoint_dir.*cannot be written") as info:
+        _fit(trainer)
+    assert not trainer.setup_started and "choose a directory" in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["missing", "not-a-checkpoint"])
+def test_a_ckpt_path_pointing_nowhere_is_refused_before_setup(tmp_path, where):
+    path = tmp_path / where
+    if where == "not-a-checkpoint":
+        path.mkdir()
+    for checkpoint_dir in (None, str(tmp_path / "ckpt")):
+        trainer = unison.Trainer(global_batch_size=16, max_steps=2, checkpoint_dir=checkpoint_dir)
+        with pytest.raises(unison.ConfigurationError, match=r"ckpt_path.*(does not exist|no manifest\.json)"):
+            _fit(trainer, ckpt_path=str(path))
+        assert not trainer.setup_started
+
+
+@pytest.mark.parametrize("how", ["path", "auto", "last"])
+def test_max_steps_below_the_resumed_step_is_refused_before_setup(tmp_path, how):
+    _fit(unison.Trainer(global_batch_size=16, max_steps=3, checkpoint_dir=str(tmp_path)))
+    ckpt_path = str(tmp_path / "step-00000003") if how == "path" else how
+    trainer = unison.Trainer(global_batch_size=16, max_steps=2, checkpoint_dir=str(tmp_path))
+    with pytest.raises(unison.ConfigurationError, match=r"max_steps.*resumes at step 3, beyond max_steps=2"):
+        _fit(trainer, ckpt_path=ckpt_path)
+    assert not trainer.setup_started
+    # at max_steps it resumes and has nothing left to do
+    done = unison.Trainer(global_batch_size=16, max_steps=3, checkpoint_dir=str(tmp_path))
+    assert _fit(done, ckpt_path=ckpt_path).global_step == 3
 
 
 def test_cuda_on_a_build_without_cuda():
@@ -181,8 +235,12 @@ _INVALID_VALUES = {
     "max_steps": st.one_of(st.integers(-5, 0), st.booleans(), st.text(max_size=3)),
     "grad_clip_norm": st.one_of(st.floats(-10, 0), st.booleans(), st.text(max_size=3)),
     "shuffle": st.one_of(st.integers(), st.text(max_size=3)),
-    "precision": st.text(min_size=1, max_size=8).filter(lambda s: s not in ("32-true", "bf16-mixed", "bf16-true", "16-mixed")),
-    "strategy": st.text(min_size=1, max_size=8).filter(lambda s: s not in ("single", "ddp", "fsdp", "fsdp1", "pipeline")),
+    "precision": st.text(min_size=1, max_size=8).filter(
+        lambda s: s not in ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+    ),
+    "strategy": st.text(min_size=1, max_size=8).filter(
+        lambda s: s not in ("single", "ddp", "fsdp", "fsdp1", "pipeline")
+    ),
     "num_workers": st.one_of(st.integers(-5, -1), st.booleans()),
     "log_every_n_steps": st.one_of(st.integers(-5, 0), st.text(max_size=3)),
     "accelerator": st.text(max_size=5).filter(lambda s: s not in ("auto", "cpu", "cuda")),
@@ -213,7 +271,7 @@ def test_property_invalid_config_files_are_refused(tmp_path):
         "max_steps = 150": "max_steps = -1",
         "global_batch_size = 16": "global_batch_size = true",
         "[loss]": "[losss]",
-        "strategy = \"single\"": "strategy = \"single\"\nshuffle = \"yes\"",
+        'strategy = "single"': 'strategy = "single"\nshuffle = "yes"',
     }
     for old, new in cases.items():
         cfg = tmp_path / "bad.toml"
@@ -231,7 +289,7 @@ def test_every_strategy_that_runs_on_one_process_runs_without_a_launcher(tmp_pat
     script.write_text(
         "import os, torch, unison\n"
         "from unison.manager import PluginManager\n"
-        "import sys; sys.path.insert(0, %r)\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from helpers import mlp, regression_data\n"
         "pm = PluginManager()\n"
         "ran = []\n"
@@ -244,11 +302,12 @@ def test_every_strategy_that_runs_on_one_process_runs_without_a_launcher(tmp_pat
         "          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3))\n"
         "    assert t.progress.global_step == 2 and not torch.distributed.is_initialized()\n"
         "    ran.append(spec.name)\n"
-        "print('RAN', ' '.join(ran))\n" % str(Path(__file__).parent)
+        "print('RAN', ' '.join(ran))\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
-                         env={**env, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600, env={**env, "OMP_NUM_THREADS": "1"}
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     ran = out.stdout.split("RAN", 1)[1].split()
     assert {"single", "ddp", "fsdp", "fsdp1", "zero1", "zero2", "zero3", "torch_zero"} <= set(ran), ran

@@ -5,11 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from fail_worlds import fail_world
 from test_fail_loudly import _all_finite
+
 from unison.checkpoint import Checkpointer
 from unison.launch import spawn
+
+from fail_worlds import fail_world
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -24,7 +25,8 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step(world, strategy):
     runs = [rank[strategy]["nan"] for rank in world]
     for run in runs:
         assert run["error"] is not None and run["error"].startswith(
-            "step 2: the loss was non-finite first at micro-batch 0 on rank 1")
+            "step 2: the loss was non-finite first at micro-batch 0 on rank 1"
+        )
         assert run["global_step"] == 2 and run["optimizer_steps"] == 2
     latest = Checkpointer(Path(runs[0]["root"])).latest()
     assert latest is not None and latest.name.endswith("00000002")

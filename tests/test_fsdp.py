@@ -10,11 +10,13 @@ import math
 
 import pytest
 import torch
+
 import unison
-from fsdp_worlds import TiedMLP, fsdp_scenarios, overflow_data
-from helpers import max_abs_diff, mlp, regression_data, train
 from unison.launch import spawn
 from unison.ownership import PrecisionOwner, StateDictKind
+
+from fsdp_worlds import TiedMLP, fsdp_scenarios, overflow_data
+from helpers import max_abs_diff, mlp, regression_data, train
 
 pytestmark = pytest.mark.distributed
 
@@ -175,7 +177,10 @@ def test_memory_footprint_is_sharded(world):
     for rank in ranks:
         ours, ddp = rank["footprint"][strategy], rank["footprint"]["ddp"]
         assert ddp["optimizer_state"] > 0 and ours["optimizer_state"] > 0
-        total = lambda f: f["parameters"] + f["gradients"] + f["optimizer_state"]
+
+        def total(f):
+            return f["parameters"] + f["gradients"] + f["optimizer_state"]
+
         assert total(ours) <= 0.6 * total(ddp), (ours, ddp)
 
 
@@ -203,10 +208,13 @@ def test_unknown_option_is_rejected_naming_it(strategy):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_shard_module_class_absent_from_model_is_rejected_before_process_group(strategy):
-    trainer = unison.Trainer(max_steps=1, strategy=strategy, strategy_options={"shard_module_classes": ["TransformerBlock"]})
+    trainer = unison.Trainer(
+        max_steps=1, strategy=strategy, strategy_options={"shard_module_classes": ["TransformerBlock"]}
+    )
     with pytest.raises(unison.ConfigurationError, match="TransformerBlock") as exc:
-        trainer.fit(mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
-                    optimizer=lambda p: torch.optim.AdamW(p))
+        trainer.fit(
+            mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss, optimizer=lambda p: torch.optim.AdamW(p)
+        )
     assert exc.value.option == "strategy_options.shard_module_classes"
     assert "Linear" in exc.value.fix
     assert not torch.distributed.is_initialized()
@@ -222,6 +230,7 @@ def test_fsdp1_refuses_cpu_offload_on_cpu_before_process_group():
 def test_explicit_unit_sharing_a_tied_weight_is_rejected():
     trainer = unison.Trainer(max_steps=1, strategy="fsdp", strategy_options={"shard_module_classes": ["Linear"]})
     with pytest.raises(unison.ConfigurationError, match="tied"):
-        trainer.fit(TiedMLP(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
-                    optimizer=lambda p: torch.optim.AdamW(p))
+        trainer.fit(
+            TiedMLP(), regression_data(), loss_fn=torch.nn.functional.mse_loss, optimizer=lambda p: torch.optim.AdamW(p)
+        )
     assert not torch.distributed.is_initialized()

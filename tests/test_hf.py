@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import unison
+from unison.launch import spawn
+
 from helpers import max_abs_diff
 from hf_worlds import STEPS, example, hf_run, hf_world
-from unison.launch import spawn
 
 FP32_TOL = 1e-5
 
@@ -45,6 +46,10 @@ def test_pipeline_refuses_the_training_step_form_before_training(monkeypatch):
     train, _ = example.build_datasets(seq_len=32, max_bytes=4_096)
     trainer = unison.Trainer(strategy="pipeline", global_batch_size=16, accumulate_grad_batches=2, max_steps=2)
     with pytest.raises(unison.DeclaredRefusal, match=r"training_step.*Pass loss_fn=\.\.\. with \(inputs, targets\)"):
-        trainer.fit(example.build_model, train, training_step=example.training_step,
-                    optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3))
+        trainer.fit(
+            example.build_model,
+            train,
+            training_step=example.training_step,
+            optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
+        )
     assert not torch.distributed.is_initialized()

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import hookspec_worlds
 import unison
 from unison import hookspecs
 from unison.cli import main
+
+import hookspec_worlds
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Parameters the module docstring documents once for every hook.
@@ -24,7 +25,7 @@ def test_hookspec_is_documented(name):
     spec = getattr(hookspecs, name)
     doc = inspect.getdoc(spec) or ""
     signature = inspect.signature(spec)
-    assert re.search(r"\bCalled\b", doc), f"{name}: say who calls it (\"Called by ...\") and when"
+    assert re.search(r"\bCalled\b", doc), f'{name}: say who calls it ("Called by ...") and when'
     assert re.search(r"\branks?\b", doc), f"{name}: say on which ranks it runs"
     for param in signature.parameters:
         if param not in CONVENTIONS:
@@ -49,11 +50,17 @@ def _fire_every_hook(tmp_path: Path) -> None:
     from helpers import mlp, regression_data
 
     def fit(**kwargs):
-        trainer = unison.Trainer(strategy="single", global_batch_size=16, max_steps=6, progress="off",
-                                 checkpoint_dir=str(tmp_path / "py"))
+        trainer = unison.Trainer(
+            strategy="single", global_batch_size=16, max_steps=6, progress="off", checkpoint_dir=str(tmp_path / "py")
+        )
         # 48 samples: an epoch is 3 steps, so epochs end too
-        return trainer.fit(mlp(), regression_data(n=48), loss_fn=torch.nn.functional.mse_loss,
-                           optimizer=lambda params: torch.optim.SGD(params, lr=0.01), **kwargs)
+        return trainer.fit(
+            mlp(),
+            regression_data(n=48),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
+            **kwargs,
+        )
 
     fit()
     fit(ckpt_path="last")
@@ -63,7 +70,8 @@ def _fire_every_hook(tmp_path: Path) -> None:
 
     with pytest.raises(RuntimeError, match="boom"):
         unison.Trainer(strategy="single", global_batch_size=16, max_steps=2, progress="off").fit(
-            mlp(), regression_data(), loss_fn=broken_loss, optimizer=lambda params: torch.optim.SGD(params, lr=0.01))
+            mlp(), regression_data(), loss_fn=broken_loss, optimizer=lambda params: torch.optim.SGD(params, lr=0.01)
+        )
 
 
 def test_every_hookspec_is_fired(tmp_path, monkeypatch):

@@ -31,19 +31,50 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 pytestmark = pytest.mark.distributed
 
 
-def unison_run(tmp: Path, name: str, *, strategy: str = "ddp", steps: int = 12, restarts: int = 0,
-               faults: tuple[str, ...] = (), extra: tuple[str, ...] = (), timeout: int = 420) -> dict[str, Any]:
+def unison_run(
+    tmp: Path,
+    name: str,
+    *,
+    strategy: str = "ddp",
+    steps: int = 12,
+    restarts: int = 0,
+    faults: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
+    timeout: int = 420,
+) -> dict[str, Any]:
     """One ``unison run --nproc 2`` job into ``tmp/name``; its exit code, output and result."""
     ckpt, out = tmp / name / "ckpt", tmp / name / "state.pt"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "unison.cli", "run", "--nproc", "2", f"--max-restarts={restarts}", SCRIPT,
-           "--strategy", strategy, "--steps", str(steps), "--ckpt", str(ckpt), "--out", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "unison.cli",
+        "run",
+        "--nproc",
+        "2",
+        f"--max-restarts={restarts}",
+        SCRIPT,
+        "--strategy",
+        strategy,
+        "--steps",
+        str(steps),
+        "--ckpt",
+        str(ckpt),
+        "--out",
+        str(out),
+        *extra,
+    ]
     for fault in faults:
         cmd += ["--fault", fault]
     started = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
-    result: dict[str, Any] = {"rc": proc.returncode, "stderr": proc.stderr, "stdout": proc.stdout, "ckpt": ckpt,
-                              "wall_s": time.monotonic() - started}
+    result: dict[str, Any] = {
+        "rc": proc.returncode,
+        "stderr": proc.stderr,
+        "stdout": proc.stdout,
+        "ckpt": ckpt,
+        "wall_s": time.monotonic() - started,
+    }
     if out.exists():
         result["state"] = torch.load(out)
         result.update(json.loads(Path(str(out) + ".json").read_text()))
@@ -96,8 +127,14 @@ def test_sigkill_mid_run_restarts_and_equals_uninterrupted(tmp_path, reference, 
     assert_same(run, reference(strategy))
     # The final checkpoint exports to plain weights whatever the strategy's own format.
     weights = tmp_path / "model.safetensors"
-    exported = subprocess.run([sys.executable, "-m", "unison.cli", "checkpoint", "export", str(run["ckpt"]),
-                               str(weights)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    exported = subprocess.run(
+        [sys.executable, "-m", "unison.cli", "checkpoint", "export", str(run["ckpt"]), str(weights)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert exported.returncode == 0, exported.stdout + exported.stderr
     from safetensors.torch import load_file
 
@@ -145,8 +182,22 @@ def test_sigusr1_to_the_launcher_reaches_the_workers_and_auto_resume_is_bitwise(
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint_which_resumes(tmp_path):
     """A model large enough (100 MB per checkpoint) that a save takes a while; killed while it writes."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "state.pt"
-    args = [sys.executable, SCRIPT, "--strategy", "single", "--steps", "3", "--hidden", "2048", "--layers", "3",
-            "--ckpt", str(ckpt), "--out", str(out)]
+    args = [
+        sys.executable,
+        SCRIPT,
+        "--strategy",
+        "single",
+        "--steps",
+        "3",
+        "--hidden",
+        "2048",
+        "--layers",
+        "3",
+        "--ckpt",
+        str(ckpt),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     partial = ckpt / ".step-00000002.partial"
     deadline = time.monotonic() + 240
@@ -165,8 +216,14 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_which_resumes(tmp_p
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000001", "step-00000002", "step-00000003"]
     history = json.loads(Path(str(out) + ".json").read_text())["history"]
     assert [h["step"] for h in history] == [1, 2]  # resumed after step 1, the last commit
-    full = subprocess.run([*args[:-4], "--ckpt", str(tmp_path / "full"), "--out", str(tmp_path / "full.pt")],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    full = subprocess.run(
+        [*args[:-4], "--ckpt", str(tmp_path / "full"), "--out", str(tmp_path / "full.pt")],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert full.returncode == 0, full.stderr[-3000:]
     reference, state = torch.load(tmp_path / "full.pt"), torch.load(out)
     assert all(torch.equal(state[k], reference[k]) for k in reference)
@@ -177,12 +234,60 @@ def test_a_missing_rank_fails_the_start_within_the_rendezvous_timeout(tmp_path):
     """Rank 1 never comes: rank 0 must fail after UNISON_RENDEZVOUS_TIMEOUT, not after torch's 10 minutes."""
     from unison.launch import free_port
 
-    env = {**ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "2",
-           "LOCAL_RANK": "0", "UNISON_RENDEZVOUS_TIMEOUT": "5"}
+    env = {
+        **ENV,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "UNISON_RENDEZVOUS_TIMEOUT": "5",
+    }
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, SCRIPT, "--ckpt", str(tmp_path / "c"), "--out", str(tmp_path / "o")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--ckpt", str(tmp_path / "c"), "--out", str(tmp_path / "o")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     elapsed = time.monotonic() - started
     assert proc.returncode != 0
     assert "timed out" in proc.stderr.lower() or "timeout" in proc.stderr.lower(), proc.stderr[-2000:]
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_during_a_save_is_an_interrupt_and_the_previous_checkpoint_verifies(tmp_path):
+    """SIGINT while DCP writes: the process ends as interrupted (the shell's 130), not as a failed save."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "state.pt"
+    args = [
+        sys.executable,
+        SCRIPT,
+        "--strategy",
+        "single",
+        "--steps",
+        "3",
+        "--hidden",
+        "2048",
+        "--layers",
+        "3",
+        "--ckpt",
+        str(ckpt),
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    writing = ckpt / ".step-00000002.partial" / "state"
+    deadline = time.monotonic() + 240
+    while not writing.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert writing.parent.exists(), "the job was not interrupted while saving"
+    # Python ends an uncaught KeyboardInterrupt by SIGINT itself: the shell reports 130.
+    assert proc.returncode == -signal.SIGINT, stderr[-3000:]
+    assert "KeyboardInterrupt" in stderr and "CheckpointException" not in stderr
+    assert Checkpointer(ckpt).latest() == ckpt / "step-00000001"
+    verify(LocalStorage(), ckpt / "step-00000001")

@@ -32,14 +32,42 @@ def two_ranks(strategy: str, directory: Path) -> list[tuple[int, str]]:
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": "2"}
-        procs.append(subprocess.Popen(
-            [sys.executable, SCRIPT, "--strategy", strategy, "--steps", "3", "--accumulate", "2", "--every", "100",
-             "--ckpt", str(directory / "ckpt"), "--out", str(directory / "state.pt")],
-            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        ))
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    SCRIPT,
+                    "--strategy",
+                    strategy,
+                    "--steps",
+                    "3",
+                    "--accumulate",
+                    "2",
+                    "--every",
+                    "100",
+                    "--ckpt",
+                    str(directory / "ckpt"),
+                    "--out",
+                    str(directory / "state.pt"),
+                ],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     out = []
     for proc in procs:
         try:

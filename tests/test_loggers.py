@@ -14,15 +14,28 @@ import pytest
 import torch
 
 import unison
-from observability_worlds import (
-    MetricsRecorder, TokenModel, csv_metrics, jsonl_metrics, same, tensorboard_metrics, token_data, wandb_metrics,
-)
 from unison.config import load_config
 from unison.plugins.loggers import (
-    CSVLogger, JSONLLogger, MLflowLogger, RunDirectory, TensorBoardLogger, WandbLogger, loggers_from_config,
+    CSVLogger,
+    JSONLLogger,
+    MLflowLogger,
+    TensorBoardLogger,
+    WandbLogger,
+    loggers_from_config,
     new_version,
 )
 from unison.plugins.loggers.tensorboard_logger import read_text
+
+from observability_worlds import (
+    MetricsRecorder,
+    TokenModel,
+    csv_metrics,
+    jsonl_metrics,
+    same,
+    tensorboard_metrics,
+    token_data,
+    wandb_metrics,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,15 +49,25 @@ class LogsUserMetrics:
 
 
 def fit(trainer: unison.Trainer, steps_val: bool = True) -> None:
-    trainer.fit(TokenModel(), token_data(), loss_fn=torch.nn.functional.cross_entropy,
-                optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
-                val_dataset=token_data(n=40, seed=9) if steps_val else None)
+    trainer.fit(
+        TokenModel(),
+        token_data(),
+        loss_fn=torch.nn.functional.cross_entropy,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        val_dataset=token_data(n=40, seed=9) if steps_val else None,
+    )
 
 
 def make_trainer(loggers, callbacks=(), **settings) -> tuple[unison.Trainer, MetricsRecorder]:
     recorder = MetricsRecorder()
-    settings = {"global_batch_size": 16, "max_steps": 6, "log_every_n_steps": 2, "val_every_n_steps": 3,
-                "progress": "off", **settings}
+    settings = {
+        "global_batch_size": 16,
+        "max_steps": 6,
+        "log_every_n_steps": 2,
+        "val_every_n_steps": 3,
+        "progress": "off",
+        **settings,
+    }
     return unison.Trainer(strategy="single", callbacks=[recorder, *callbacks], loggers=loggers, **settings), recorder
 
 
@@ -115,8 +138,14 @@ def test_metrics_logged_outside_fit_are_refused_with_a_warning(tmp_path):
         trainer.log({"after": 1.0})
 
 
-@pytest.mark.parametrize("cls,module,extra", [(TensorBoardLogger, "tensorboard", "tensorboard"),
-                                               (MLflowLogger, "mlflow", "mlflow"), (WandbLogger, "wandb", "wandb")])
+@pytest.mark.parametrize(
+    "cls,module,extra",
+    [
+        (TensorBoardLogger, "tensorboard", "tensorboard"),
+        (MLflowLogger, "mlflow", "mlflow"),
+        (WandbLogger, "wandb", "wandb"),
+    ],
+)
 def test_a_logger_whose_package_is_missing_names_the_extra(tmp_path, monkeypatch, cls, module, extra):
     monkeypatch.setitem(sys.modules, module, None)  # how Python marks a package as not importable
     with pytest.raises(unison.ConfigurationError, match=rf"{module!r} package is not installed.*unison\[{extra}\]"):
@@ -131,21 +160,29 @@ def _write_config(tmp_path: Path, logging: str) -> Path:
 
 
 def test_config_logging_table_builds_loggers_sharing_one_run(tmp_path):
-    config, _ = load_config(_write_config(tmp_path, '[logging]\ndir = "r"\njsonl = true\ncsv = true\n'
-                                                    'tensorboard = true\n[logging.wandb]\nproject = "p"\n'
-                                                    '[logging.mlflow]\ntracking_uri = "sqlite:///x.db"\n'))
+    config, _ = load_config(
+        _write_config(
+            tmp_path,
+            '[logging]\ndir = "r"\njsonl = true\ncsv = true\n'
+            'tensorboard = true\n[logging.wandb]\nproject = "p"\n'
+            '[logging.mlflow]\ntracking_uri = "sqlite:///x.db"\n',
+        )
+    )
     loggers = loggers_from_config(config)
-    assert [type(l) for l in loggers] == [MLflowLogger, JSONLLogger, CSVLogger, TensorBoardLogger, WandbLogger]
-    runs = {id(l.run) for l in loggers}
+    assert [type(line) for line in loggers] == [MLflowLogger, JSONLLogger, CSVLogger, TensorBoardLogger, WandbLogger]
+    runs = {id(line.run) for line in loggers}
     assert len(runs) == 1 and loggers[0].run.config == config.model_dump(mode="json")
     assert loggers[0].tracking_uri == "sqlite:///x.db" and loggers[-1].project == "p"
 
 
-@pytest.mark.parametrize("logging,match", [
-    ('[logging]\njsonl = true\n', r"logging.*jsonl write into a run directory.*set dir"),
-    ('[logging]\ndir = "r"\njsonll = true\n', r"logging\.jsonll"),
-    ('[logging]\ndir = "r"\n[logging.wandb]\nmode = "cloud"\n', r"logging\.wandb\.mode"),
-])
+@pytest.mark.parametrize(
+    "logging,match",
+    [
+        ("[logging]\njsonl = true\n", r"logging.*jsonl write into a run directory.*set dir"),
+        ('[logging]\ndir = "r"\njsonll = true\n', r"logging\.jsonll"),
+        ('[logging]\ndir = "r"\n[logging.wandb]\nmode = "cloud"\n', r"logging\.wandb\.mode"),
+    ],
+)
 def test_bad_logging_config_is_refused_naming_the_key(tmp_path, logging, match):
     with pytest.raises(unison.ConfigurationError, match=match):
         load_config(_write_config(tmp_path, logging))
@@ -154,33 +191,48 @@ def test_bad_logging_config_is_refused_naming_the_key(tmp_path, logging, match):
 def test_missing_logger_package_fails_before_any_worker_starts(tmp_path):
     config = _write_config(tmp_path, '[logging]\ndir = "r"\ntensorboard = true\n')
     # A run whose Python cannot import tensorboard (sys.modules entry None blocks the import).
-    code = ("import sys; sys.modules['tensorboard'] = None; from unison.cli import main; "
-            f"main(['train', {str(config)!r}, '--strategy', 'ddp', '--nproc', '2'])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    code = (
+        "import sys; sys.modules['tensorboard'] = None; from unison.cli import main; "
+        f"main(['train', {str(config)!r}, '--strategy', 'ddp', '--nproc', '2'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     assert "unison[tensorboard]" in " ".join(out.stdout.split())
     assert "torch.distributed" not in out.stderr and not (tmp_path / "r").exists()
 
 
 def test_two_runs_of_the_example_make_two_complete_run_directories(tmp_path):
+    """A run and its resumed continuation: each gets its own run directory, never appending to the other's."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-m", "unison.cli", "train", str(ROOT / "examples" / "tinylm.toml"),
-                              "--max-steps", "20"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    for extra in (["--max-steps", "20"], ["--max-steps", "40", "--resume", "auto"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "unison.cli", "train", str(ROOT / "examples" / "tinylm.toml"), *extra],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
     root = tmp_path / "runs" / "tinylm"
     assert sorted(p.name for p in root.glob("version_*")) == ["version_0", "version_1"]
-    for version in ("version_0", "version_1"):
+    for version, steps in (("version_0", [10, 20]), ("version_1", [30, 40])):
         run = root / version
         jsonl, csv, tb = jsonl_metrics(run), csv_metrics(run), tensorboard_metrics(run)
-        # log_every_n_steps = 10 in the example; validation at the end (step 20)
-        assert sorted(jsonl) == sorted(csv) == sorted(tb) == [10, 20]
+        # log_every_n_steps = 10 in the example; validation at the end; the second run resumed at step 20
+        assert sorted(jsonl) == sorted(csv) == sorted(tb) == steps
         same(csv, jsonl)
         same(tb, jsonl)
-        assert {"train/loss", "val/loss", "perf/tokens_per_s"} <= set(jsonl[20])
+        assert {"train/loss", "val/loss", "perf/tokens_per_s"} <= set(jsonl[steps[-1]])
         meta = json.loads((run / "run.json").read_text())
-        assert meta["config"]["trainer"]["max_steps"] == 20 and meta["config"]["logging"]["dir"] == "runs/tinylm"
+        assert meta["config"]["trainer"]["max_steps"] == steps[-1] and meta["config"]["logging"]["dir"] == "runs/tinylm"
 
 
 def test_trainer_log_from_training_step_reaches_the_loggers_at_logging_steps(tmp_path):
@@ -194,8 +246,12 @@ def test_trainer_log_from_training_step_reaches_the_loggers_at_logging_steps(tmp
         trainer.log({"user/step_seen": float(trainer.global_step), "user/loss_tensor": loss.detach()})
         return loss
 
-    trainer.fit(TokenModel(), token_data(), training_step=training_step,
-                optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+    trainer.fit(
+        TokenModel(),
+        token_data(),
+        training_step=training_step,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+    )
     logged = recorder.by_step()
     assert sorted(logged) == [2, 4] and calls == [0, 1, 2, 3]
     # the latest value per name goes out with the next logging step's metrics, as a float

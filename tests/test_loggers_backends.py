@@ -12,11 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from observability_worlds import (  # sets DS_ACCELERATOR=cpu first
-    BACKENDS, csv_metrics, early_stopped_run, jsonl_metrics, logged_run, mlflow_metrics, mlflow_server, same,
-    tensorboard_metrics, wandb_config, wandb_metrics, backend_world,
-)
 from unison.launch import spawn
+
+from observability_worlds import (  # sets DS_ACCELERATOR=cpu first
+    BACKENDS,
+    backend_world,
+    csv_metrics,
+    early_stopped_run,
+    jsonl_metrics,
+    logged_run,
+    mlflow_metrics,
+    mlflow_server,
+    same,
+    tensorboard_metrics,
+    wandb_config,
+    wandb_metrics,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -65,8 +76,18 @@ def test_every_logger_reads_back_exactly_what_the_trainer_logged(runs, client, s
     logged = run["metrics"]  # every unison_log_metrics call on rank 0, merged per step
     directory = Path(run["run_dir"])
     assert sorted(logged) == list(range(2, 17, 2))
-    assert {"train/loss", "train/grad_norm", "train/lr", "train/skipped", "val/loss", "lr/group0",
-            "perf/step_time", "perf/samples_per_s", "perf/tokens_per_s", "perf/peak_rss_mib"} <= set(logged[16])
+    assert {
+        "train/loss",
+        "train/grad_norm",
+        "train/lr",
+        "train/skipped",
+        "val/loss",
+        "lr/group0",
+        "perf/step_time",
+        "perf/samples_per_s",
+        "perf/tokens_per_s",
+        "perf/peak_rss_mib",
+    } <= set(logged[16])
     # What the trainer computed for each step is what reached the loggers.
     for h in run["history"]:
         if (h["step"] + 1) % 2 == 0:

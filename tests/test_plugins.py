@@ -7,6 +7,7 @@ import re
 import types
 
 import pluggy
+import pydantic
 import pytest
 
 import unison
@@ -114,7 +115,7 @@ def test_hookimpl_marker_is_pluggys():
 
 
 class _Opts(__import__("pydantic").BaseModel):
-    model_config = {"extra": "forbid"}
+    model_config = pydantic.ConfigDict(extra="forbid")
     bucket: int = 1
 
 
@@ -129,10 +130,19 @@ class AliasAndUnavailable:
                 self.bucket = bucket
 
         return [
-            StrategySpec(name="opt_single", factory=WithOpts, description="with options", options=_Opts,
-                         aliases={"opt_single_big": {"bucket": 64}}),
-            StrategySpec(name="needs_gpu", factory=WithOpts, description="cuda only",
-                         unavailable="needs CUDA, which this machine does not have"),
+            StrategySpec(
+                name="opt_single",
+                factory=WithOpts,
+                description="with options",
+                options=_Opts,
+                aliases={"opt_single_big": {"bucket": 64}},
+            ),
+            StrategySpec(
+                name="needs_gpu",
+                factory=WithOpts,
+                description="cuda only",
+                unavailable="needs CUDA, which this machine does not have",
+            ),
         ]
 
 

@@ -114,6 +114,7 @@ def test_hook_monitoring_records_registration_calls():
     with pm.record_hook_calls(prefix="unison_") as calls:
         pm.strategies.names()
         pm.precisions.names()
+
     # One call per registering plugin, each through pluggy.
     def registering(name):
         return [i for i in getattr(pm.hook, name).get_hookimpls() if not (i.wrapper or i.hookwrapper)]

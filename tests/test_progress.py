@@ -19,8 +19,9 @@ import torch
 from rich.console import Console
 
 import unison
-from observability_worlds import TokenModel, token_data
 from unison.plugins.progress import ProgressBar
+
+from observability_worlds import TokenModel, token_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,20 +39,33 @@ class Slow:
 
 
 def fit(trainer: unison.Trainer, steps_val: bool = True) -> None:
-    trainer.fit(TokenModel(), token_data(), loss_fn=torch.nn.functional.cross_entropy,
-                optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
-                val_dataset=token_data(n=64, seed=3) if steps_val else None)
+    trainer.fit(
+        TokenModel(),
+        token_data(),
+        loss_fn=torch.nn.functional.cross_entropy,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        val_dataset=token_data(n=64, seed=3) if steps_val else None,
+    )
 
 
 def test_rich_bar_shows_step_loss_lr_throughput_elapsed_and_eta():
     console = Console(record=True, force_terminal=True, width=200, file=io.StringIO())
     bar = ProgressBar(console=console, refresh_per_second=50)
-    trainer = unison.Trainer(strategy="single", global_batch_size=16, max_steps=30, val_every_n_steps=15,
-                             val_batch_size=16, callbacks=[bar, Slow()])
+    trainer = unison.Trainer(
+        strategy="single",
+        global_batch_size=16,
+        max_steps=30,
+        val_every_n_steps=15,
+        val_batch_size=16,
+        callbacks=[bar, Slow()],
+    )
     fit(trainer)
     frames = console.export_text()
-    train = re.findall(r"train .*? (\d+)/30 loss (\d+\.\d{4}) \| lr 1\.00e-02 \| ([\d.]+k?) samples/s \| "
-                       r"([\d.]+k?) tokens/s elapsed (\d:\d\d:\d\d) eta (\d:\d\d:\d\d)", frames)
+    train = re.findall(
+        r"train .*? (\d+)/30 loss (\d+\.\d{4}) \| lr 1\.00e-02 \| ([\d.]+k?) samples/s \| "
+        r"([\d.]+k?) tokens/s elapsed (\d:\d\d:\d\d) eta (\d:\d\d:\d\d)",
+        frames,
+    )
     assert train, frames[-2000:]
     steps = [int(s) for s, *_ in train]
     assert steps == sorted(steps) and steps[-1] == 30
@@ -69,9 +83,10 @@ def test_rich_bar_shows_step_loss_lr_throughput_elapsed_and_eta():
 
 def test_default_progress_in_a_log_file_prints_plain_periodic_lines(tmp_path):
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        sys.path.insert(0, {str(ROOT / "tests")!r})
         import unison
         from observability_worlds import TokenModel, token_data
         trainer = unison.Trainer(strategy="single", global_batch_size=16, max_steps=40, val_every_n_steps=20,
@@ -79,18 +94,21 @@ def test_default_progress_in_a_log_file_prints_plain_periodic_lines(tmp_path):
         trainer.fit(TokenModel(), token_data(), loss_fn=torch.nn.functional.cross_entropy,
                     optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2), val_dataset=token_data(n=64, seed=3))
         print("done", trainer.global_step)
-    """))
+    """)
+    )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, str(script), "auto"], capture_output=True, text=True, env=env, timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    train = [l for l in lines if l.startswith("train step")]
+    train = [line for line in lines if line.startswith("train step")]
     # about 20 lines per run: every 40 // 20 = 2 steps
-    assert [int(re.match(r"train step (\d+)/40", l).group(1)) for l in train] == list(range(2, 41, 2))
-    pattern = (r"train step \d+/40 \| loss \d+\.\d{4} \| lr 1\.00e-02 \| [\d.]+k? samples/s \| [\d.]+k? tokens/s \| "
-               r"elapsed \d:\d\d:\d\d \| eta \d:\d\d:\d\d")
-    assert all(re.fullmatch(pattern, l) for l in train), train
-    assert sum(l.startswith("val step 20: val/loss") for l in lines) == 1
+    assert [int(re.match(r"train step (\d+)/40", line).group(1)) for line in train] == list(range(2, 41, 2))
+    pattern = (
+        r"train step \d+/40 \| loss \d+\.\d{4} \| lr 1\.00e-02 \| [\d.]+k? samples/s \| [\d.]+k? tokens/s \| "
+        r"elapsed \d:\d\d:\d\d \| eta \d:\d\d:\d\d"
+    )
+    assert all(re.fullmatch(pattern, line) for line in train), train
+    assert sum(line.startswith("val step 20: val/loss") for line in lines) == 1
     assert "\x1b[" not in out.stdout  # no terminal control codes in a log file
     assert lines[-1] == "done 40"
 
@@ -111,17 +129,19 @@ def test_a_given_progress_bar_replaces_the_default_and_off_registers_none():
 
 
 def test_plain_mode_on_a_console_prints_every_n_steps(capsys):
-    trainer = unison.Trainer(strategy="single", global_batch_size=16, max_steps=6, progress="plain",
-                             progress_every_n_steps=3)
+    trainer = unison.Trainer(
+        strategy="single", global_batch_size=16, max_steps=6, progress="plain", progress_every_n_steps=3
+    )
     fit(trainer, steps_val=False)
-    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("train step")]
-    assert [l.split(" | ")[0] for l in lines] == ["train step 3/6", "train step 6/6"]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("train step")]
+    assert [line.split(" | ")[0] for line in lines] == ["train step 3/6", "train step 6/6"]
 
 
 def test_plain_lines_count_to_the_end_of_max_epochs(capsys):
     # 256 samples / 16 per step = 16 steps per epoch; 2 epochs end at step 32
-    trainer = unison.Trainer(strategy="single", global_batch_size=16, max_epochs=2, progress="plain",
-                             progress_every_n_steps=16)
+    trainer = unison.Trainer(
+        strategy="single", global_batch_size=16, max_epochs=2, progress="plain", progress_every_n_steps=16
+    )
     fit(trainer, steps_val=False)
-    lines = [l.split(" | ")[0] for l in capsys.readouterr().out.splitlines() if l.startswith("train step")]
+    lines = [line.split(" | ")[0] for line in capsys.readouterr().out.splitlines() if line.startswith("train step")]
     assert lines == ["train step 16/32", "train step 32/32"]

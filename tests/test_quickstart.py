@@ -47,8 +47,14 @@ def _losses(tmp: Path, name: str, *extra: str) -> dict[int, float]:
         "    return [Record()]\n"
     )
     env = {**ENV, "UNISON_PLUGINS": "record_losses", "PYTHONPATH": str(tmp / name)}
-    out = subprocess.run([sys.executable, "-m", "unison.cli", "train", str(cfg), "--max-steps", str(STEPS), *extra],
-                         cwd=tmp / name, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "unison.cli", "train", str(cfg), "--max-steps", str(STEPS), *extra],
+        cwd=tmp / name,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows}

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 import unison
-from helpers import max_abs_diff, mlp, regression_data, train
 from unison.data import BatchPlan
+
+from helpers import max_abs_diff, mlp, regression_data, train
 
 
 def hand_written(steps=20, accumulate=4, global_batch=32, clip=0.5, lr=1e-2):
@@ -45,17 +46,27 @@ class PostClipNorm:
 
 
 def test_single_equals_hand_written_loop():
-    expected, expected_post = hand_written()
+    expected, _ = hand_written()
     got = train("single")
     assert max_abs_diff(got["state"], expected) <= 1e-6
 
 
 def test_clipping_really_clips_to_the_global_norm():
     recorder = PostClipNorm()
-    trainer = unison.Trainer(strategy="single", callbacks=[recorder], accumulate_grad_batches=4,
-                             global_batch_size=32, max_steps=10, grad_clip_norm=0.5)
-    trainer.fit(mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss,
-                optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    trainer = unison.Trainer(
+        strategy="single",
+        callbacks=[recorder],
+        accumulate_grad_batches=4,
+        global_batch_size=32,
+        max_steps=10,
+        grad_clip_norm=0.5,
+    )
+    trainer.fit(
+        mlp(),
+        regression_data(),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+    )
     clipped = [(pre, post) for pre, post in recorder.norms if pre > 0.5]
     assert clipped, "the scenario must clip"
     for pre, post in recorder.norms:

@@ -301,3 +301,31 @@ def test_unison_train_on_two_nodes_checkpoints_to_the_bucket_and_resumes(s3, tmp
     assert committed_steps(keys) == ["step-00000004", "step-00000006"], keys  # keep_last_n_checkpoints = 2
     resumed = json.loads(fs.cat_file(f"{s3_server.BUCKET}/two-nodes/step-00000006/manifest.json"))
     assert resumed["run"] == manifest["run"]  # the same run, continued
+
+
+@pytest.mark.timeout(60)
+def test_explicit_storage_options_without_any_aws_variable(s3, monkeypatch):
+    """``open_storage(url, storage_options)`` is the whole configuration: no AWS_* variable is read."""
+    from unison.checkpoint import Checkpointer
+    from unison.storage import open_storage
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    options = {"key": s3_server.KEY, "secret": s3_server.SECRET, "endpoint_url": s3.endpoint}
+    root, storage = open_storage(f"s3://{s3_server.BUCKET}/explicit", options)
+    assert str(root) == f"s3://{s3_server.BUCKET}/explicit"
+    checkpointer = Checkpointer(root, storage=storage)
+    checkpointer.claim(None)
+
+    def write(directory: Path) -> dict:
+        (directory / "state").mkdir(parents=True)
+        torch.save({"w": torch.arange(4.0)}, directory / "state" / "w.pt")
+        return {"strategy": "single", "world_size": 1, "precision": "32-true", "state_dict": {}}
+
+    final = checkpointer.save(3, write)
+    assert str(final) == f"s3://{s3_server.BUCKET}/explicit/step-00000003"
+    assert objects(s3, "explicit") == ["latest", "step-00000003/manifest.json", "step-00000003/state/w.pt"]
+    found = checkpointer.select("auto")
+    local = storage.localize(found.path / "state")
+    assert torch.equal(torch.load(local / "w.pt")["w"], torch.arange(4.0))

@@ -10,8 +10,12 @@ from unison.data import BatchPlan, validation_batches
 
 @settings(max_examples=60, deadline=None)
 @given(
-    micro_per_rank=st.integers(1, 4), accumulate=st.integers(1, 4), dp=st.sampled_from([1, 2, 4]),
-    extra=st.integers(0, 50), seed=st.integers(0, 5), step=st.integers(0, 30),
+    micro_per_rank=st.integers(1, 4),
+    accumulate=st.integers(1, 4),
+    dp=st.sampled_from([1, 2, 4]),
+    extra=st.integers(0, 50),
+    seed=st.integers(0, 5),
+    step=st.integers(0, 30),
 )
 def test_ranks_partition_each_global_batch_in_order(micro_per_rank, accumulate, dp, extra, seed, step):
     g = micro_per_rank * accumulate * dp * 2

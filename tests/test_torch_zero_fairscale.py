@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import unison
-from helpers import max_abs_diff, regression_data, train
 from unison.errors import ConfigurationError, StrategyUnavailableError
 from unison.launch import spawn
 from unison.strategies._sharded_optimizer import OptimizerRecipe
+
+from helpers import max_abs_diff, regression_data, train
 from zero_fairscale_worlds import fairscale_oss_world, fairscale_sdp_world, overflow_data, torch_zero_world
 
 pytestmark = pytest.mark.distributed
@@ -188,7 +189,9 @@ def test_fairscale_optimizer_state_is_sharded(name):
 
 
 def test_upstream_sdp_loop_with_optimizer_zero_grad_really_deviates():
-    """fairscale's documented loop trains on unreduced gradients under torch>=2.0; zeroing through the model fixes it."""
+    """fairscale's documented loop trains on unreduced gradients under torch>=2.0.
+
+    Zeroing through the model fixes it."""
     world = _worlds.get("fairscale_sdp") or spawn(fairscale_sdp_world, 2, timeout=240)
     _worlds["fairscale_sdp"] = world
     ref = train("single")
@@ -233,7 +236,8 @@ def test_fairscale_strategies_unavailable_when_fairscale_is_missing(monkeypatch)
 def test_listing_strategies_does_not_import_fairscale():
     code = (
         "import sys, unison; pm = unison.PluginManager(); "
-        "[pm.strategies.create(s.name).ownership for s in pm.strategies.specs() if s.name.startswith('fairscale') and not s.unavailable]; "
+        "[pm.strategies.create(s.name).ownership for s in pm.strategies.specs() "
+        "if s.name.startswith('fairscale') and not s.unavailable]; "
         "assert 'fairscale' not in sys.modules, 'fairscale imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -251,9 +255,12 @@ def test_optimizer_recipe_keeps_class_defaults_and_param_groups():
     recipe = OptimizerRecipe.from_factory(
         lambda params: torch.optim.AdamW(
             [{"params": list(model[0].parameters()), "lr": 0.1}, {"params": list(model[1].parameters())}],
-            lr=1e-3, weight_decay=0.05, betas=(0.8, 0.9),
+            lr=1e-3,
+            weight_decay=0.05,
+            betas=(0.8, 0.9),
         ),
-        model.parameters(), strategy="torch_zero",
+        model.parameters(),
+        strategy="torch_zero",
     )
     assert recipe.cls is torch.optim.AdamW
     # AdamW.defaults carries decoupled_weight_decay, which its constructor does not take.

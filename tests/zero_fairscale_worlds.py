@@ -1,4 +1,7 @@
-"""What the 2-rank worlds of tests/test_torch_zero_fairscale.py run: every scenario of one strategy in one process group."""
+"""What the 2-rank worlds of tests/test_torch_zero_fairscale.py run.
+
+Every scenario of one strategy in one process group.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from typing import Any
 import torch
 
 import unison
+
 from helpers import mlp, regression_data, train
 
 
@@ -40,7 +44,9 @@ def footprint(strategy: str) -> dict[str, int]:
     probe = FootprintProbe()
     trainer = unison.Trainer(strategy=strategy, callbacks=[probe], global_batch_size=8, max_steps=2)
     trainer.fit(
-        mlp(d=32, hidden=32), regression_data(n=64, d=32), loss_fn=torch.nn.functional.mse_loss,
+        mlp(d=32, hidden=32),
+        regression_data(n=64, d=32),
+        loss_fn=torch.nn.functional.mse_loss,
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
     )
     return probe.footprint
@@ -110,8 +116,12 @@ def train_footprint_default(strategy: str) -> dict[str, int]:
     """The footprint on the tests' default MLP (8->32->32->1: one 32x32 layer dominates)."""
     probe = FootprintProbe()
     trainer = unison.Trainer(strategy=strategy, callbacks=[probe], global_batch_size=8, max_steps=2)
-    trainer.fit(mlp(), regression_data(n=64), loss_fn=torch.nn.functional.mse_loss,
-                optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+    trainer.fit(
+        mlp(),
+        regression_data(n=64),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+    )
     return probe.footprint
 
 
@@ -141,8 +151,15 @@ def upstream_sdp_loop(zero_grad_through: str, steps: int = 20, accumulate: int =
     # Same global batches as the trainer (shuffle=True): read them from a BatchPlan.
     from unison.data import BatchPlan
 
-    plan = BatchPlan(dataset_size=len(x), global_batch_size=32, accumulate_grad_batches=accumulate,
-                     data_parallel_size=world, data_parallel_rank=rank, seed=0, shuffle=True)
+    plan = BatchPlan(
+        dataset_size=len(x),
+        global_batch_size=32,
+        accumulate_grad_batches=accumulate,
+        data_parallel_size=world,
+        data_parallel_rank=rank,
+        seed=0,
+        shuffle=True,
+    )
     for step in range(steps):
         micro = plan.local_micro_indices(step)
         for i, idx in enumerate(micro):
@@ -169,5 +186,3 @@ def fairscale_sdp_world() -> dict[str, Any]:
     out["upstream_optimizer_zero_grad_no_accumulation"] = upstream_sdp_loop("optimizer", accumulate=1)
     out["upstream_model_zero_grad_no_accumulation"] = upstream_sdp_loop("model", accumulate=1)
     return out
-
-

@@ -33,8 +33,14 @@ class EarlyStopping:
         check_finite: stop at once when the metric is NaN or infinite.
     """
 
-    def __init__(self, monitor: str = "val/loss", mode: Literal["min", "max"] = "min", patience: int = 3,
-                 min_delta: float = 0.0, check_finite: bool = True) -> None:
+    def __init__(
+        self,
+        monitor: str = "val/loss",
+        mode: Literal["min", "max"] = "min",
+        patience: int = 3,
+        min_delta: float = 0.0,
+        check_finite: bool = True,
+    ) -> None:
         if mode not in ("min", "max"):
             raise ConfigurationError("EarlyStopping.mode", f"got {mode!r}", "use 'min' or 'max'")
         if patience < 0:
@@ -72,8 +78,12 @@ class EarlyStopping:
         else:
             self.wait += 1
             if self.wait >= self.patience:
-                self._stop(trainer, step, f"{self.monitor} did not improve on {self.best:.6g} by more than "
-                                          f"{self.min_delta} in {self.wait} checks")
+                self._stop(
+                    trainer,
+                    step,
+                    f"{self.monitor} did not improve on {self.best:.6g} by more than "
+                    f"{self.min_delta} in {self.wait} checks",
+                )
 
     def _stop(self, trainer: Any, step: int, reason: str) -> None:
         self.stopped_step, self.reason = step, reason

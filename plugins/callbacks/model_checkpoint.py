@@ -38,8 +38,11 @@ def _committed(checkpointer: Any) -> list[tuple[Path, int]]:
     """``(path, step)`` of this run's committed checkpoints, oldest commit first."""
     if hasattr(checkpointer, "committed"):
         # Manifest layout: commit order; another run's checkpoints (or unreadable ones) are never ours.
-        return [(c.path, c.manifest.step) for c in checkpointer.committed()
-                if c.manifest is not None and c.manifest.run == checkpointer.run_id]
+        return [
+            (c.path, c.manifest.step)
+            for c in checkpointer.committed()
+            if c.manifest is not None and c.manifest.run == checkpointer.run_id
+        ]
     entries = []  # meta.json layout: one run per directory, step order is commit order
     for path in checkpointer.root.glob("step-*"):
         if (path / "meta.json").exists():
@@ -65,18 +68,29 @@ class ModelCheckpoint:
         save_top_k: keep this many best-scored checkpoints (plus the newest); ``None`` deletes nothing.
     """
 
-    def __init__(self, every_n_steps: int | None = None, monitor: str | None = None,
-                 mode: Literal["min", "max"] = "min", save_top_k: int | None = None) -> None:
+    def __init__(
+        self,
+        every_n_steps: int | None = None,
+        monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        save_top_k: int | None = None,
+    ) -> None:
         if every_n_steps is None and monitor is None:
-            raise ConfigurationError("ModelCheckpoint", "neither every_n_steps nor monitor is set",
-                                     "pass every_n_steps=N, monitor='val/loss', or both")
+            raise ConfigurationError(
+                "ModelCheckpoint",
+                "neither every_n_steps nor monitor is set",
+                "pass every_n_steps=N, monitor='val/loss', or both",
+            )
         if every_n_steps is not None and every_n_steps < 1:
             raise ConfigurationError("ModelCheckpoint.every_n_steps", f"got {every_n_steps}", "pass 1 or more")
         if mode not in ("min", "max"):
             raise ConfigurationError("ModelCheckpoint.mode", f"got {mode!r}", "use 'min' or 'max'")
         if save_top_k is not None and (save_top_k < 1 or monitor is None):
-            raise ConfigurationError("ModelCheckpoint.save_top_k", f"save_top_k={save_top_k} with monitor={monitor!r}",
-                                     "pass save_top_k >= 1 together with a monitor")
+            raise ConfigurationError(
+                "ModelCheckpoint.save_top_k",
+                f"save_top_k={save_top_k} with monitor={monitor!r}",
+                "pass save_top_k >= 1 together with a monitor",
+            )
         self.every_n_steps, self.monitor, self.mode, self.save_top_k = every_n_steps, monitor, mode, save_top_k
         #: Score of each scored checkpoint, by step.
         self.scores: dict[int, float] = {}
@@ -91,12 +105,17 @@ class ModelCheckpoint:
     def unison_on_trainer_init(self, trainer: Any) -> None:
         s = trainer.settings
         if s.checkpoint_dir is None:
-            raise ConfigurationError("checkpoint_dir", "ModelCheckpoint saves through the trainer's checkpointer, "
-                                     "and no checkpoint_dir is set", "set checkpoint_dir")
+            raise ConfigurationError(
+                "checkpoint_dir",
+                "ModelCheckpoint saves through the trainer's checkpointer, and no checkpoint_dir is set",
+                "set checkpoint_dir",
+            )
         if self.save_top_k is not None and s.keep_last_n_checkpoints is not None:
             raise ConfigurationError(
-                "keep_last_n_checkpoints", f"it would delete checkpoints ModelCheckpoint(save_top_k={self.save_top_k}) "
-                "keeps as the best", "unset keep_last_n_checkpoints; ModelCheckpoint keeps the best k and the newest")
+                "keep_last_n_checkpoints",
+                f"it would delete checkpoints ModelCheckpoint(save_top_k={self.save_top_k}) keeps as the best",
+                "unset keep_last_n_checkpoints; ModelCheckpoint keeps the best k and the newest",
+            )
 
     # -- when to save ---------------------------------------------------------- #
     @hookimpl

@@ -39,12 +39,23 @@ class Profiler:
         record_shapes, profile_memory, with_stack: passed to ``torch.profiler.profile``.
     """
 
-    def __init__(self, dirpath: str = "profiler", start_step: int = 1, num_steps: int = 2,
-                 format: Literal["chrome", "tensorboard"] = "chrome", ranks: Literal["zero", "all"] = "zero",
-                 record_shapes: bool = False, profile_memory: bool = False, with_stack: bool = False) -> None:
+    def __init__(
+        self,
+        dirpath: str = "profiler",
+        start_step: int = 1,
+        num_steps: int = 2,
+        format: Literal["chrome", "tensorboard"] = "chrome",
+        ranks: Literal["zero", "all"] = "zero",
+        record_shapes: bool = False,
+        profile_memory: bool = False,
+        with_stack: bool = False,
+    ) -> None:
         if start_step < 0 or num_steps < 1:
-            raise ConfigurationError("Profiler.start_step/num_steps", f"got {start_step}/{num_steps}",
-                                     "pass start_step >= 0 and num_steps >= 1")
+            raise ConfigurationError(
+                "Profiler.start_step/num_steps",
+                f"got {start_step}/{num_steps}",
+                "pass start_step >= 0 and num_steps >= 1",
+            )
         if format not in ("chrome", "tensorboard"):
             raise ConfigurationError("Profiler.format", f"got {format!r}", "use 'chrome' or 'tensorboard'")
         if ranks not in ("zero", "all"):
@@ -66,8 +77,11 @@ class Profiler:
     def unison_on_trainer_init(self, trainer: Any) -> None:
         max_steps = trainer.settings.max_steps
         if max_steps is not None and self.start_step >= max_steps:
-            raise ConfigurationError("Profiler.start_step", f"step {self.start_step} is never reached "
-                                     f"(max_steps={max_steps})", f"pass a start_step below {max_steps}")
+            raise ConfigurationError(
+                "Profiler.start_step",
+                f"step {self.start_step} is never reached (max_steps={max_steps})",
+                f"pass a start_step below {max_steps}",
+            )
 
     @hookimpl
     def unison_on_train_step_start(self, trainer: Any, step: int) -> None:

@@ -35,8 +35,18 @@ from .tensorboard_logger import TensorBoardLogger, read_scalars
 from .wandb_logger import WandbLogger
 
 __all__ = [
-    "CSVLogger", "JSONLLogger", "MLflowLogger", "RunDirectory", "TensorBoardLogger", "WandbLogger",
-    "loggers_from_config", "new_version", "read_csv", "read_jsonl", "read_scalars", "run_metadata",
+    "CSVLogger",
+    "JSONLLogger",
+    "MLflowLogger",
+    "RunDirectory",
+    "TensorBoardLogger",
+    "WandbLogger",
+    "loggers_from_config",
+    "new_version",
+    "read_csv",
+    "read_jsonl",
+    "read_scalars",
+    "run_metadata",
 ]
 
 

@@ -30,7 +30,8 @@ def require(module: str, extra: str, logger: str) -> None:
         found = False
     if not found:
         raise ConfigurationError(
-            logger, f"the {module!r} package is not installed",
+            logger,
+            f"the {module!r} package is not installed",
             f"pip install 'unison[{extra}]' (or pip install {module})",
         )
 
@@ -41,10 +42,13 @@ class RunLogger:
     #: Whether the logger needs a run directory for its files.
     needs_directory = True
 
-    def __init__(self, run: "RunDirectory | str | os.PathLike[str] | None") -> None:
+    def __init__(self, run: RunDirectory | str | os.PathLike[str] | None) -> None:
         if run is None and self.needs_directory:
-            raise ConfigurationError(type(self).__name__, "it writes files and was given no directory",
-                                     "pass a directory, e.g. 'runs/my-run' (each fit makes version_N inside it)")
+            raise ConfigurationError(
+                type(self).__name__,
+                "it writes files and was given no directory",
+                "pass a directory, e.g. 'runs/my-run' (each fit makes version_N inside it)",
+            )
         self.run = RunDirectory.get(run) if run is not None else None
         #: The directory of the current (or last) run, ``None`` before the first fit and on ranks other than 0.
         self.path: Path | None = None
@@ -74,8 +78,11 @@ class RunLogger:
             return
         if not self._active:
             if not self._warned:  # metrics logged outside fit(): there is no run to put them in
-                warnings.warn(f"{type(self).__name__}: metrics logged outside fit() are not recorded "
-                              f"({sorted(metrics)} at step {step})", stacklevel=2)
+                warnings.warn(
+                    f"{type(self).__name__}: metrics logged outside fit() are not recorded "
+                    f"({sorted(metrics)} at step {step})",
+                    stacklevel=2,
+                )
                 self._warned = True
             return
         self._log(step, metrics)

@@ -23,7 +23,7 @@ import re
 import sys
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,8 +33,22 @@ from unison.storage import split_url
 RUN_FILE = "run.json"
 _VERSION = re.compile(r"version_(\d+)")
 #: Distributions whose versions are recorded when installed (read from metadata, never imported).
-_PACKAGES = ("unison", "torch", "pluggy", "pydantic", "numpy", "deepspeed", "fairscale", "apex", "transformers",
-             "datasets", "tensorboard", "mlflow", "wandb", "rich")
+_PACKAGES = (
+    "unison",
+    "torch",
+    "pluggy",
+    "pydantic",
+    "numpy",
+    "deepspeed",
+    "fairscale",
+    "apex",
+    "transformers",
+    "datasets",
+    "tensorboard",
+    "mlflow",
+    "wandb",
+    "rich",
+)
 
 
 class RunDirectory:
@@ -47,7 +61,7 @@ class RunDirectory:
     object per root within a process.
     """
 
-    _shared: "weakref.WeakValueDictionary[Path, RunDirectory]" = weakref.WeakValueDictionary()
+    _shared: ClassVar[weakref.WeakValueDictionary[Path, RunDirectory]] = weakref.WeakValueDictionary()
 
     def __init__(self, root: str | os.PathLike[str], config: dict[str, Any] | None = None) -> None:
         url = split_url(root)
@@ -66,7 +80,7 @@ class RunDirectory:
         self._users = 0
 
     @classmethod
-    def get(cls, root: "str | os.PathLike[str] | RunDirectory") -> "RunDirectory":
+    def get(cls, root: str | os.PathLike[str] | RunDirectory) -> RunDirectory:
         """The process-wide :class:`RunDirectory` for ``root`` (``root`` itself when it is one)."""
         if isinstance(root, RunDirectory):
             return root

@@ -40,8 +40,15 @@ class MLflowLogger(RunLogger):
 
     needs_directory = False
 
-    def __init__(self, run: RunDirectory | str | os.PathLike[str] | None = None, *, tracking_uri: str | None = None,
-                 experiment: str = "unison", run_name: str | None = None, tags: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        run: RunDirectory | str | os.PathLike[str] | None = None,
+        *,
+        tracking_uri: str | None = None,
+        experiment: str = "unison",
+        run_name: str | None = None,
+        tags: dict[str, str] | None = None,
+    ) -> None:
         require("mlflow", "mlflow", "MLflowLogger")
         super().__init__(run)
         self.tracking_uri, self.experiment, self.run_name = tracking_uri, experiment, run_name
@@ -61,8 +68,12 @@ class MLflowLogger(RunLogger):
         else:
             experiment_id = client.create_experiment(self.experiment)
         name = self.run_name or (self.run.name if self.run is not None else None)
-        tags = {"unison.strategy": metadata["strategy"]["name"], "unison.world_size": str(metadata["world_size"]),
-                **{f"unison.version.{k}": v for k, v in metadata["versions"].items()}, **self.tags}
+        tags = {
+            "unison.strategy": metadata["strategy"]["name"],
+            "unison.world_size": str(metadata["world_size"]),
+            **{f"unison.version.{k}": v for k, v in metadata["versions"].items()},
+            **self.tags,
+        }
         if self.path is not None:
             tags["unison.run_dir"] = str(self.path)
         self.run_id = client.create_run(experiment_id, run_name=name, tags=tags).info.run_id

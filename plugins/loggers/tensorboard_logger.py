@@ -59,8 +59,9 @@ def read_scalars(logdir: str | os.PathLike[str]) -> dict[str, list[tuple[int, fl
     from tensorboard.backend.event_processing import event_accumulator
     from tensorboard.util import tensor_util
 
-    acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.TENSORS: 0,
-                                                                          event_accumulator.SCALARS: 0})
+    acc = event_accumulator.EventAccumulator(
+        str(logdir), size_guidance={event_accumulator.TENSORS: 0, event_accumulator.SCALARS: 0}
+    )
     acc.Reload()
     out: dict[str, list[tuple[int, float]]] = {}
     for tag in acc.Tags()["tensors"]:

@@ -27,9 +27,15 @@ class WandbLogger(RunLogger):
         entity, tags: passed to ``wandb.init``.
     """
 
-    def __init__(self, run: RunDirectory | str | os.PathLike[str], *, project: str = "unison",
-                 mode: Literal["offline", "online", "disabled"] = "offline", entity: str | None = None,
-                 tags: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        run: RunDirectory | str | os.PathLike[str],
+        *,
+        project: str = "unison",
+        mode: Literal["offline", "online", "disabled"] = "offline",
+        entity: str | None = None,
+        tags: list[str] | None = None,
+    ) -> None:
         require("wandb", "wandb", "WandbLogger")
         super().__init__(run)
         self.project, self.mode, self.entity, self.tags = project, mode, entity, list(tags or [])
@@ -40,11 +46,18 @@ class WandbLogger(RunLogger):
 
         assert self.path is not None and self.run is not None
         self._run = wandb.init(
-            project=self.project, entity=self.entity, name=self.run.name, dir=str(self.path), mode=self.mode,
-            tags=self.tags, config=metadata, reinit="create_new",
+            project=self.project,
+            entity=self.entity,
+            name=self.run.name,
+            dir=str(self.path),
+            mode=self.mode,
+            tags=self.tags,
+            config=metadata,
+            reinit="create_new",
             # No console capture or system sampling: the run records what unison logs.
-            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, save_code=False,
-                                    disable_git=True),
+            settings=wandb.Settings(
+                console="off", silent=True, x_disable_stats=True, save_code=False, disable_git=True
+            ),
         )
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:

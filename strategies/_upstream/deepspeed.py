@@ -192,13 +192,16 @@ def forget_process_groups() -> None:
     """
     from deepspeed.utils import groups
 
+    # PRIVATE deepspeed.utils.groups._release_process_group_references: what
+    # deepspeed.comm.destroy_process_group calls after destroying the world; the
+    # public path would destroy the trainer's world a second time.
     groups._release_process_group_references(group=None)
 
 
 __all__ = [
-    "forget_process_groups",
     "VERIFIED_VERSION",
     "Fragment",
+    "forget_process_groups",
     "fp32_partitions",
     "fragment",
     "fragment_group",

@@ -7,6 +7,12 @@
   per-device overflow flags exist before ``step()`` reads them), ``_lazy_init_scale_growth_tracker``,
   ``_enabled``, ``_scale``, ``_device``. :class:`FlagReducingGradScaler` exposes them as
   two public methods, so strategies override those instead.
+* ``PipelineStage._forward_metadata_inference``: the pipeline stage's one-time shape
+  inference, wrapped by :func:`buffer_keeping_pipeline_stage` so that it leaves buffers as
+  they were.
+* ``Optimizer._optimizer_step_pre_hooks`` / ``_optimizer_step_post_hooks``: the step
+  hooks a user registered on an optimizer, moved to the optimizer that really steps
+  (:func:`copy_step_hooks`). torch has ``register_step_*_hook`` but no getter.
 """
 
 from __future__ import annotations
@@ -79,4 +85,63 @@ class FlagReducingGradScaler(torch.amp.GradScaler):
         return self.combine_found_inf(per_device, found_inf)
 
 
-__all__ = ["VERIFIED_VERSION", "FlagReducingGradScaler", "flatten_dense_tensors", "unflatten_dense_tensors"]
+def buffer_keeping_pipeline_stage() -> type:
+    """``PipelineStage`` whose one-time shape inference leaves the stage's buffers as they were.
+
+    Before its first step torch runs each stage's forward once, in training mode, to infer
+    the shapes it sends (on the first micro-batch at stage 0, on uninitialised tensors of the
+    right shape at the others). A forward that updates buffers (BatchNorm's running statistics
+    and ``num_batches_tracked``) would keep that extra update, taken from garbage memory or from
+    the first micro-batch twice, which no other backend makes; the buffers are therefore
+    restored after it. Restored by putting the saved copies in place of the buffer tensors, not
+    by copying into them: torch backpropagates through that inference graph next (to infer
+    gradient shapes), and an in-place write to a tensor it saved would fail its version check.
+    """
+    _check()
+    from torch.distributed import pipelining
+
+    base = pipelining.PipelineStage
+    # PRIVATE PipelineStage._forward_metadata_inference: the one-time shape inference, the only
+    # place that runs a stage's forward outside the schedule; no public hook wraps it.
+    if not hasattr(base, "_forward_metadata_inference"):
+        raise RuntimeError(
+            "torch.distributed.pipelining.PipelineStage has no _forward_metadata_inference; "
+            f"unison's pipeline strategy was verified against torch {VERIFIED_VERSION}"
+        )
+
+    class BufferKeepingStage(base):  # type: ignore[misc,valid-type]  # a class from the lazy import
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            saved = [
+                (module, name, buffer.detach().clone())
+                for module in self.submod.modules()
+                for name, buffer in module.named_buffers(recurse=False)
+            ]
+            try:
+                # PRIVATE PipelineStage._forward_metadata_inference (see above).
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                for module, name, value in saved:
+                    setattr(module, name, value)  # replaces the registered buffer (nn.Module.__setattr__)
+
+    return BufferKeepingStage
+
+
+def copy_step_hooks(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
+    """Register every step pre/post hook of ``source`` on ``target`` too (same order)."""
+    _check()
+    # PRIVATE Optimizer._optimizer_step_pre_hooks/_post_hooks: the OrderedDicts that
+    # register_step_pre_hook/register_step_post_hook fill; there is no public getter.
+    for hook in source._optimizer_step_pre_hooks.values():
+        target.register_step_pre_hook(hook)
+    for hook in source._optimizer_step_post_hooks.values():
+        target.register_step_post_hook(hook)
+
+
+__all__ = [
+    "VERIFIED_VERSION",
+    "FlagReducingGradScaler",
+    "buffer_keeping_pipeline_stage",
+    "copy_step_hooks",
+    "flatten_dense_tensors",
+    "unflatten_dense_tensors",
+]

@@ -61,7 +61,12 @@ from unison.env import DistEnv
 from unison.errors import ConfigurationError
 from unison.ownership import AccumulationOwner, GradAccumulation, Ownership, PrecisionOwner, PrecisionSupport
 from unison.precision import Precision
-from unison.strategies._upstream.torch import FlagReducingGradScaler, flatten_dense_tensors, unflatten_dense_tensors
+from unison.strategies._upstream.torch import (
+    FlagReducingGradScaler,
+    buffer_keeping_pipeline_stage,
+    flatten_dense_tensors,
+    unflatten_dense_tensors,
+)
 from unison.strategies.pipeline.base import PIPELINE_REFUSALS, PIPELINE_STATE, StagedStrategy, pipeline_world_sizes
 from unison.strategies.pipeline.layout import (
     SCHEDULES,
@@ -265,9 +270,11 @@ class PipelineStrategy(StagedStrategy):
             micro_batches=settings.accumulate_grad_batches,
         )
         self._runners = [_StageForward(chunks[k]) for k in mine]
+        # A PipelineStage whose one-time shape inference (a forward before the
+        # first step) does not update buffers such as BatchNorm's statistics.
+        stage_class = buffer_keeping_pipeline_stage()
         self.pipe_stages = [
-            pipelining.PipelineStage(runner, k, layout.chunks, env.device, group=pp_group)
-            for k, runner in zip(mine, self._runners)
+            stage_class(runner, k, layout.chunks, env.device, group=pp_group) for k, runner in zip(mine, self._runners)
         ]
         schedule_cls = getattr(pipelining, SCHEDULES[o.schedule][0])
         # scale_grads=False: the mean over micro-batches is taken in the loss

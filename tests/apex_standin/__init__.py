@@ -44,7 +44,8 @@ def modules() -> dict[str, types.ModuleType]:
     from apex_standin import distributed_fused_adam, optimizers
 
     contrib_optimizers = _package(
-        "apex.contrib.optimizers", distributed_fused_adam=distributed_fused_adam,
+        "apex.contrib.optimizers",
+        distributed_fused_adam=distributed_fused_adam,
         DistributedFusedAdam=distributed_fused_adam.DistributedFusedAdam,
     )
     contrib = _package("apex.contrib", optimizers=contrib_optimizers)

@@ -52,8 +52,9 @@ import enum
 import itertools
 import threading
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,13 +86,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         param_range: tuple[int, int]
         bucket_range: tuple[int, int]
         in_local_shard: bool
-        shard_range: Optional[tuple[int, int]]
-        shard_bucket_range: Optional[tuple[int, int]]
-        shard_param_range: Optional[tuple[int, int]]
+        shard_range: tuple[int, int] | None
+        shard_bucket_range: tuple[int, int] | None
+        shard_param_range: tuple[int, int] | None
 
     class StateBucket:
-        def __init__(self, bucket_size: int, shard_size: int, dtype: torch.dtype, device: torch.device,
-                     store_params: bool) -> None:
+        def __init__(
+            self, bucket_size: int, shard_size: int, dtype: torch.dtype, device: torch.device, store_params: bool
+        ) -> None:
             self.bucket_size, self.shard_size, self.dtype = bucket_size, shard_size, dtype
             self.grad_sync_dtype = self.param_sync_dtype = dtype
             self.filled_size = 0
@@ -111,31 +113,72 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     class GradientBucket:
         def __init__(self) -> None:
-            self.grads_shard: Optional[torch.Tensor] = None
-            self.grads_bucket: Optional[torch.Tensor] = None
-            self.sync_grads_shard: Optional[torch.Tensor] = None
+            self.grads_shard: torch.Tensor | None = None
+            self.grads_bucket: torch.Tensor | None = None
+            self.sync_grads_shard: torch.Tensor | None = None
             self.status = DistributedFusedAdam.GradientStatus.READY
             self.grads_generated: set[torch.nn.Parameter] = set()
 
     _step_supports_amp_scaling = True
     _custom_amp_unscale_grads = True
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-                 weight_decay=0.0, amsgrad=False, dtype=torch.float32, grad_sync_dtype=None, param_sync_dtype=None,
-                 device="cuda", process_group=None, distributed_process_group=None, redundant_process_group=None,
-                 average_grad_sync=True, overlap_grad_sync=True, overlap_param_sync=False, bucket_cap_mb=100.0,
-                 pipeline_size=2, contiguous_param_buffer=False, contiguous_grad_buffer=False, store_params=True,
-                 store_param_remainders=False, with_scaled_states=False, nccl_ub=False, capturable=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        adam_w_mode=True,
+        weight_decay=0.0,
+        amsgrad=False,
+        dtype=torch.float32,
+        grad_sync_dtype=None,
+        param_sync_dtype=None,
+        device="cuda",
+        process_group=None,
+        distributed_process_group=None,
+        redundant_process_group=None,
+        average_grad_sync=True,
+        overlap_grad_sync=True,
+        overlap_param_sync=False,
+        bucket_cap_mb=100.0,
+        pipeline_size=2,
+        contiguous_param_buffer=False,
+        contiguous_grad_buffer=False,
+        store_params=True,
+        store_param_remainders=False,
+        with_scaled_states=False,
+        nccl_ub=False,
+        capturable=False,
+    ):
         self.init_kwargs = dict(
-            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, adam_w_mode=adam_w_mode,
-            weight_decay=weight_decay, amsgrad=amsgrad, dtype=dtype, grad_sync_dtype=grad_sync_dtype,
-            param_sync_dtype=param_sync_dtype, device=device, process_group=process_group,
-            distributed_process_group=distributed_process_group, redundant_process_group=redundant_process_group,
-            average_grad_sync=average_grad_sync, overlap_grad_sync=overlap_grad_sync,
-            overlap_param_sync=overlap_param_sync, bucket_cap_mb=bucket_cap_mb, pipeline_size=pipeline_size,
-            contiguous_param_buffer=contiguous_param_buffer, contiguous_grad_buffer=contiguous_grad_buffer,
-            store_params=store_params, store_param_remainders=store_param_remainders,
-            with_scaled_states=with_scaled_states, nccl_ub=nccl_ub, capturable=capturable,
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            adam_w_mode=adam_w_mode,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            dtype=dtype,
+            grad_sync_dtype=grad_sync_dtype,
+            param_sync_dtype=param_sync_dtype,
+            device=device,
+            process_group=process_group,
+            distributed_process_group=distributed_process_group,
+            redundant_process_group=redundant_process_group,
+            average_grad_sync=average_grad_sync,
+            overlap_grad_sync=overlap_grad_sync,
+            overlap_param_sync=overlap_param_sync,
+            bucket_cap_mb=bucket_cap_mb,
+            pipeline_size=pipeline_size,
+            contiguous_param_buffer=contiguous_param_buffer,
+            contiguous_grad_buffer=contiguous_grad_buffer,
+            store_params=store_params,
+            store_param_remainders=store_param_remainders,
+            with_scaled_states=with_scaled_states,
+            nccl_ub=nccl_ub,
+            capturable=capturable,
         )
         self.calls: list[tuple[str, dict[str, Any]]] = []
         for flag in ("overlap_param_sync", "store_param_remainders", "with_scaled_states", "nccl_ub", "capturable"):
@@ -194,7 +237,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self.GradientBucket
         )
         self._grad_scale = torch.full([], 1.0, dtype=torch.float32, device=self.device)
-        self._grad_norm: Optional[torch.Tensor] = None
+        self._grad_norm: torch.Tensor | None = None
         self._in_no_sync = False
         self._broadcast_params()
         self._lock = threading.Lock()
@@ -215,7 +258,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         return itertools.chain.from_iterable(group["params"] for group in self.param_groups)
 
-    def parameter(self, fragment: "DistributedFusedAdam.ParameterFragment") -> torch.nn.Parameter:
+    def parameter(self, fragment: DistributedFusedAdam.ParameterFragment) -> torch.nn.Parameter:
         return self.param_groups[fragment.param_group_id]["params"][fragment.param_id]
 
     def _make_post_backward_hook(self, param: torch.nn.Parameter, param_group_id: int, param_id: int) -> Callable:
@@ -240,7 +283,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     grad_acc.register_hook(self._make_post_backward_hook(param, param_group_id, param_id))
                     self._grad_accs.append(grad_acc)
 
-    def init_params(self, params: Optional[Iterable[torch.nn.Parameter]] = None) -> None:
+    def init_params(self, params: Iterable[torch.nn.Parameter] | None = None) -> None:
         params = self.parameters() if params is None else params
         params = [p for p in params if "fragments" not in self.state[p]]
         ids = {p: (gid, pid) for gid, g in enumerate(self.param_groups) for pid, p in enumerate(g["params"])}
@@ -257,8 +300,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
         def make_bucket() -> None:
             shard = self.default_shard_size
-            buckets.append(self.StateBucket(shard * self.distributed_size, shard, self.dtype, self.device,
-                                            self.store_params))
+            buckets.append(
+                self.StateBucket(shard * self.distributed_size, shard, self.dtype, self.device, self.store_params)
+            )
 
         if not buckets:
             make_bucket()
@@ -283,9 +327,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 shard_bucket_range = (sb_start, sb_start + shard_end - shard_start)
                 sp_start = sb_start - bucket_start + param_start
                 shard_param_range = (sp_start, sp_start + shard_end - shard_start)
-            fragment = self.ParameterFragment(param_group_id, param_id, bucket_id, (param_start, param_end),
-                                              (bucket_start, bucket_end), in_local_shard, shard_range,
-                                              shard_bucket_range, shard_param_range)
+            fragment = self.ParameterFragment(
+                param_group_id,
+                param_id,
+                bucket_id,
+                (param_start, param_end),
+                (bucket_start, bucket_end),
+                in_local_shard,
+                shard_range,
+                shard_bucket_range,
+                shard_param_range,
+            )
             self.state[param]["fragments"].append(fragment)
             bucket.fragments.append(fragment)
             bucket.filled_size = bucket_end
@@ -321,15 +373,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 self._finish_bucket_grad_sync()
             bucket.status = self.GradientStatus.PARTIALLY_FILLED
             if bucket.grads_bucket is None:
-                bucket.grads_bucket = torch.zeros([state_bucket.bucket_size], dtype=self.grad_sync_dtype,
-                                                  device=self.device)
+                bucket.grads_bucket = torch.zeros(
+                    [state_bucket.bucket_size], dtype=self.grad_sync_dtype, device=self.device
+                )
             if param.grad is not None:
                 grad_in = param.grad.detach().view(-1)[slice(*fragment.param_range)]
                 bucket.grads_bucket[slice(*fragment.bucket_range)].add_(grad_in)
         param.grad = None
 
-    def _try_start_bucket_grad_sync(self, params: Optional[Iterable[torch.nn.Parameter]] = None,
-                                    ignore_last_bucket: bool = False) -> None:
+    def _try_start_bucket_grad_sync(
+        self, params: Iterable[torch.nn.Parameter] | None = None, ignore_last_bucket: bool = False
+    ) -> None:
         for param in params or []:
             for fragment in self.state[param]["fragments"]:
                 grads_bucket = self._grads_buckets[fragment.bucket_id]
@@ -338,10 +392,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 if len(grads_bucket.grads_generated) == len(state_bucket.fragments):
                     grads_bucket.status = self.GradientStatus.FULLY_FILLED
                     if grads_bucket.grads_bucket is None:
-                        grads_bucket.grads_bucket = torch.zeros([state_bucket.bucket_size],
-                                                                dtype=self.grad_sync_dtype, device=self.device)
+                        grads_bucket.grads_bucket = torch.zeros(
+                            [state_bucket.bucket_size], dtype=self.grad_sync_dtype, device=self.device
+                        )
         filled = [
-            (bucket_id, bucket) for bucket_id, bucket in sorted(self._grads_buckets.items())
+            (bucket_id, bucket)
+            for bucket_id, bucket in sorted(self._grads_buckets.items())
             if not (ignore_last_bucket and bucket_id == len(self.state["buckets"]) - 1)
             and bucket.status == self.GradientStatus.FULLY_FILLED
         ]
@@ -349,7 +405,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._start_bucket_grad_sync(filled)
 
     @torch.no_grad()
-    def _start_bucket_grad_sync(self, buckets: list[tuple[int, "DistributedFusedAdam.GradientBucket"]]) -> None:
+    def _start_bucket_grad_sync(self, buckets: list[tuple[int, DistributedFusedAdam.GradientBucket]]) -> None:
         self._finish_bucket_grad_sync()
         op = dist.ReduceOp.AVG if self.average_grad_sync else dist.ReduceOp.SUM
         for bucket_id, bucket in buckets:
@@ -358,14 +414,22 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if self.distributed_size == 1:
                 bucket.sync_grads_shard = bucket.grads_bucket
             elif bucket.sync_grads_shard is None:
-                bucket.sync_grads_shard = torch.empty([bucket.grads_bucket.numel() // self.distributed_size],
-                                                      dtype=bucket.grads_bucket.dtype, device=self.device)
+                bucket.sync_grads_shard = torch.empty(
+                    [bucket.grads_bucket.numel() // self.distributed_size],
+                    dtype=bucket.grads_bucket.dtype,
+                    device=self.device,
+                )
             # Several syncs in one step (accumulation without no_sync) add up.
             if bucket.grads_shard is not None and bucket.sync_grads_shard.data_ptr() == bucket.grads_shard.data_ptr():
                 bucket.grads_shard = bucket.grads_shard.clone()
             if self.distributed_size > 1:
-                _quiet(dist.reduce_scatter_tensor, bucket.sync_grads_shard, bucket.grads_bucket, op=op,
-                       group=self.distributed_process_group)
+                _quiet(
+                    dist.reduce_scatter_tensor,
+                    bucket.sync_grads_shard,
+                    bucket.grads_bucket,
+                    op=op,
+                    group=self.distributed_process_group,
+                )
                 self._log("reduce_scatter", bucket=bucket_id, in_no_sync=self._in_no_sync)
             if self.redundant_size > 1:
                 dist.all_reduce(bucket.sync_grads_shard, op=op, group=self.redundant_process_group)
@@ -387,8 +451,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for bucket_id, grads_bucket in sorted(self._grads_buckets.items()):
             if grads_bucket.status not in (self.GradientStatus.READY, self.GradientStatus.SYNCING):
                 if grads_bucket.grads_bucket is None:
-                    grads_bucket.grads_bucket = torch.zeros([self.state["buckets"][bucket_id].bucket_size],
-                                                            dtype=self.grad_sync_dtype, device=self.device)
+                    grads_bucket.grads_bucket = torch.zeros(
+                        [self.state["buckets"][bucket_id].bucket_size], dtype=self.grad_sync_dtype, device=self.device
+                    )
                 pending.append((bucket_id, grads_bucket))
         if pending:
             self._start_bucket_grad_sync(pending)
@@ -396,8 +461,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for bucket_id, state_bucket in enumerate(self.state["buckets"]):
             grads_bucket = self._grads_buckets[bucket_id]
             if grads_bucket.grads_shard is None:
-                grads_bucket.grads_shard = torch.zeros([state_bucket.shard_size], dtype=self.grad_sync_dtype,
-                                                       device=self.device)
+                grads_bucket.grads_shard = torch.zeros(
+                    [state_bucket.shard_size], dtype=self.grad_sync_dtype, device=self.device
+                )
 
     @contextlib.contextmanager
     def no_sync(self, greedy_grad_copy: bool = False):
@@ -433,8 +499,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             return torch.zeros([], dtype=torch.float32, device=self.device)
         return sum(s.float().pow(2).sum() for s in shards).reshape([])
 
-    def grad_norm(self, parameters: Optional[Iterable[torch.nn.Parameter]] = None, norm_type: float = 2.0,
-                  force: bool = False) -> torch.Tensor:
+    def grad_norm(
+        self, parameters: Iterable[torch.nn.Parameter] | None = None, norm_type: float = 2.0, force: bool = False
+    ) -> torch.Tensor:
         self._log("grad_norm", force=force)
         if parameters is not None:
             raise NotImplementedError("apex stand-in: grad_norm over a subset of parameters is not modelled")
@@ -445,8 +512,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._grad_norm = grad_norm_sq.sqrt()
         return (self._grad_norm * self._grad_scale).detach()
 
-    def clip_grad_norm(self, max_norm: float, parameters: Optional[Iterable[torch.nn.Parameter]] = None,
-                       norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm(
+        self, max_norm: float, parameters: Iterable[torch.nn.Parameter] | None = None, norm_type: float = 2.0
+    ) -> torch.Tensor:
         self._log("clip_grad_norm", max_norm=max_norm)
         assert max_norm > 0
         total_norm = self.grad_norm(parameters=parameters, norm_type=norm_type)
@@ -455,9 +523,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return total_norm
 
     @torch.no_grad()
-    def unscale_grads(self, *args: Any, inv_scale: Optional[torch.Tensor] = None, grad_scaler: Any = None):
-        self._log("unscale_grads", inv_scale=None if inv_scale is None else float(inv_scale),
-                  grad_scaler=grad_scaler is not None)
+    def unscale_grads(self, *args: Any, inv_scale: torch.Tensor | None = None, grad_scaler: Any = None):
+        self._log(
+            "unscale_grads",
+            inv_scale=None if inv_scale is None else float(inv_scale),
+            grad_scaler=grad_scaler is not None,
+        )
         if inv_scale is None and len(args) >= 1:
             inv_scale = args[0]
         found_inf = torch.logical_not(torch.isfinite(self.grad_norm()))
@@ -481,7 +552,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     # -- the step ------------------------------------------------------------------ #
     @torch.no_grad()
-    def step(self, closure: Optional[Callable] = None, *, grad_scaler: Any = None):
+    def step(self, closure: Callable | None = None, *, grad_scaler: Any = None):
         self._log("step", grad_scaler=grad_scaler is not None)
         loss = closure() if closure is not None else None
         self.init_params()
@@ -508,10 +579,21 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     p = self.parameter(fragment).detach().view(-1)[slice(*fragment.shard_param_range)].float().clone()
                 group = self.param_groups[fragment.param_group_id]
                 beta1, beta2 = group["betas"]
-                adam_update(p, state_bucket.exp_avg_shard[shard], state_bucket.exp_avg_sq_shard[shard], grads[shard],
-                            lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"], step=self.state["step"],
-                            bias_correction=bool(group["bias_correction"]), adam_w_mode=self.adam_w_mode,
-                            weight_decay=group["weight_decay"], grad_scale=self._grad_scale)
+                adam_update(
+                    p,
+                    state_bucket.exp_avg_shard[shard],
+                    state_bucket.exp_avg_sq_shard[shard],
+                    grads[shard],
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    step=self.state["step"],
+                    bias_correction=bool(group["bias_correction"]),
+                    adam_w_mode=self.adam_w_mode,
+                    weight_decay=group["weight_decay"],
+                    grad_scale=self._grad_scale,
+                )
                 out[shard].copy_(p)
             params_out[bucket_id] = out
         # All-gather every bucket's updated shards and copy each fragment back into its parameter.
@@ -525,7 +607,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return loss
 
     # -- state ---------------------------------------------------------------------- #
-    def state_dict(self, *, state_dict_format: Optional[int] = None, gather_on_root: Optional[bool] = None):
+    def state_dict(self, *, state_dict_format: int | None = None, gather_on_root: bool | None = None):
         self._log("state_dict", state_dict_format=state_dict_format, gather_on_root=gather_on_root)
         if state_dict_format is None:
             state_dict_format = 2
@@ -550,11 +632,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 for key in ("param", "exp_avg", "exp_avg_sq")
             }
         for key in ("param", "exp_avg", "exp_avg_sq"):
-            for bucket_id, bucket in enumerate(self.state["buckets"]):
-                if key == "param":
-                    shard = self._pack_param_shard(bucket)
-                else:
-                    shard = getattr(bucket, f"{key}_shard")
+            for bucket in self.state["buckets"]:
+                shard = self._pack_param_shard(bucket) if key == "param" else getattr(bucket, f"{key}_shard")
                 gathered = torch.empty([bucket.bucket_size], dtype=self.dtype, device=self.device)
                 _quiet(dist.all_gather_into_tensor, gathered, shard, group=self.distributed_process_group)
                 for fragment in bucket.fragments:
@@ -564,7 +643,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                     )
         return state_dict
 
-    def _pack_param_shard(self, bucket: "DistributedFusedAdam.StateBucket") -> torch.Tensor:
+    def _pack_param_shard(self, bucket: DistributedFusedAdam.StateBucket) -> torch.Tensor:
         if bucket.params_shard is not None:
             return bucket.params_shard
         shard = torch.zeros([bucket.shard_size], dtype=self.dtype, device=self.device)

@@ -53,8 +53,20 @@ def adam_update(
 class FusedAdam(torch.optim.Optimizer):
     """``apex.optimizers.FusedAdam``'s interface over a CPU Adam (see the module docstring)."""
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, adam_w_mode=True,
-                 weight_decay=0.0, amsgrad=False, set_grad_none=True, capturable=False, master_weights=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        adam_w_mode=True,
+        weight_decay=0.0,
+        amsgrad=False,
+        set_grad_none=True,
+        capturable=False,
+        master_weights=False,
+    ):
         if amsgrad:
             raise RuntimeError("FusedAdam does not support the AMSGrad variant.")
         if capturable or master_weights:
@@ -77,8 +89,10 @@ class FusedAdam(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None, grads=None, output_params=None, scale=None, grad_norms=None, grad_scaler=None):
         if any(p is not None for p in [grads, output_params, scale, grad_norms]):
-            raise RuntimeError("FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, "
-                               "and call step() with no arguments.")
+            raise RuntimeError(
+                "FusedAdam has been updated.  Simply initialize it identically to torch.optim.Adam, "
+                "and call step() with no arguments."
+            )
         loss = closure() if closure is not None else None
         for group in self.param_groups:
             if len(group["params"]) == 0:
@@ -93,10 +107,20 @@ class FusedAdam(torch.optim.Optimizer):
                 if len(state) == 0:
                     state["exp_avg"] = torch.zeros_like(p)
                     state["exp_avg_sq"] = torch.zeros_like(p)
-                adam_update(p, state["exp_avg"], state["exp_avg_sq"], p.grad, lr=group["lr"], beta1=beta1,
-                            beta2=beta2, eps=group["eps"], step=group["step"],
-                            bias_correction=bool(group["bias_correction"]), adam_w_mode=bool(self.adam_w_mode),
-                            weight_decay=group["weight_decay"])
+                adam_update(
+                    p,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    p.grad,
+                    lr=group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    step=group["step"],
+                    bias_correction=bool(group["bias_correction"]),
+                    adam_w_mode=bool(self.adam_w_mode),
+                    weight_decay=group["weight_decay"],
+                )
         return loss
 
 
@@ -108,13 +132,32 @@ class FusedLAMB(torch.optim.Optimizer):
     update is written into ``p.grad`` before it is applied.
     """
 
-    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01,
-                 amsgrad=False, adam_w_mode=True, grad_averaging=True, set_grad_none=True, max_grad_norm=1.0,
-                 use_nvlamb=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        bias_correction=True,
+        betas=(0.9, 0.999),
+        eps=1e-6,
+        weight_decay=0.01,
+        amsgrad=False,
+        adam_w_mode=True,
+        grad_averaging=True,
+        set_grad_none=True,
+        max_grad_norm=1.0,
+        use_nvlamb=False,
+    ):
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant.")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
-                        grad_averaging=grad_averaging, max_grad_norm=max_grad_norm)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm,
+        )
         super().__init__(params, defaults)
         self.adam_w_mode = 1 if adam_w_mode else 0
         self.set_grad_none = set_grad_none

@@ -38,7 +38,11 @@ class StandinStrategy(DistributedFusedAdamStrategy):
 
 @hookimpl
 def unison_strategies() -> list[StrategySpec]:
-    return [StrategySpec(
-        name=STANDIN, factory=StandinStrategy, options=StandinOptions,
-        description="apex_distributed_fused_adam over a CPU stand-in of apex (tests only)",
-    )]
+    return [
+        StrategySpec(
+            name=STANDIN,
+            factory=StandinStrategy,
+            options=StandinOptions,
+            description="apex_distributed_fused_adam over a CPU stand-in of apex (tests only)",
+        )
+    ]

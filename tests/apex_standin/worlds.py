@@ -9,14 +9,16 @@ trainer's phases marked in it.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 import apex_standin
 import apex_standin.plugin as standin_plugin
 import unison
+
 from helpers import mlp, regression_data
 
 STANDIN = standin_plugin.STANDIN
@@ -64,7 +66,10 @@ def fused_lamb(params: Any) -> torch.optim.Optimizer:
 
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "adamw": adamw, "adam_l2": adam_l2, "fused_adam": fused_adam, "fused_lamb": fused_lamb,
+    "adamw": adamw,
+    "adam_l2": adam_l2,
+    "fused_adam": fused_adam,
+    "fused_lamb": fused_lamb,
 }
 
 
@@ -104,26 +109,44 @@ class OptimizerProbe:
         if hasattr(optimizer, "calls"):
             self.calls = list(optimizer.calls)
             self.buckets = len(optimizer.state["buckets"])
-            self.init_kwargs = {k: v if isinstance(v, (bool, int, float, str, tuple, type(None))) else repr(v)
-                                for k, v in optimizer.init_kwargs.items()}
+            self.init_kwargs = {
+                k: v if isinstance(v, (bool, int, float, str, tuple, type(None))) else repr(v)
+                for k, v in optimizer.init_kwargs.items()
+            }
             self.optimizer_class = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
-            self.groups = [{k: v for k, v in g.items() if k != "params"} | {"params": len(g["params"])}
-                           for g in optimizer.param_groups]
+            self.groups = [
+                {k: v for k, v in g.items() if k != "params"} | {"params": len(g["params"])}
+                for g in optimizer.param_groups
+            ]
 
 
-def run(strategy: str = STANDIN, *, optimizer: str = "adamw", data: Any = None, model: Any = None,
-        scheduler: bool = True, ckpt_path: Any = None, options: dict[str, Any] | None = None,
-        **settings: Any) -> dict[str, Any]:
+def run(
+    strategy: str = STANDIN,
+    *,
+    optimizer: str = "adamw",
+    data: Any = None,
+    model: Any = None,
+    scheduler: bool = True,
+    ckpt_path: Any = None,
+    options: dict[str, Any] | None = None,
+    **settings: Any,
+) -> dict[str, Any]:
     """Train like tests/helpers.train (accumulation 4, clipping 0.5 that clips, StepLR, 20 steps).
 
     Returns what the tests compare, on every rank.
     """
-    settings = {"accumulate_grad_batches": 4, "global_batch_size": 32, "max_steps": 20, "grad_clip_norm": 0.5,
-                **settings}
+    settings = {
+        "accumulate_grad_batches": 4,
+        "global_batch_size": 32,
+        "max_steps": 20,
+        "grad_clip_norm": 0.5,
+        **settings,
+    }
     probe = OptimizerProbe()
     pm = unison.PluginManager(plugins=[standin_plugin])
-    trainer = unison.Trainer(strategy=strategy, strategy_options=options or {}, plugin_manager=pm,
-                             callbacks=[probe], **settings)
+    trainer = unison.Trainer(
+        strategy=strategy, strategy_options=options or {}, plugin_manager=pm, callbacks=[probe], **settings
+    )
 
     def make(params: Any) -> torch.optim.Optimizer:
         built = OPTIMIZERS[optimizer](params)
@@ -131,8 +154,10 @@ def run(strategy: str = STANDIN, *, optimizer: str = "adamw", data: Any = None, 
         return built
 
     progress = trainer.fit(
-        model if model is not None else mlp(), data if data is not None else regression_data(),
-        loss_fn=torch.nn.functional.mse_loss, optimizer=make,
+        model if model is not None else mlp(),
+        data if data is not None else regression_data(),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=make,
         lr_scheduler=(lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=5, gamma=0.5)) if scheduler else None,
         ckpt_path=ckpt_path,
     )
@@ -162,7 +187,8 @@ def hooks_released_after_fit() -> dict[str, Any]:
     model = mlp()
     pm = unison.PluginManager(plugins=[standin_plugin])
     unison.Trainer(strategy=STANDIN, plugin_manager=pm, global_batch_size=8, max_steps=2).fit(
-        model, regression_data(n=64), loss_fn=torch.nn.functional.mse_loss, optimizer=adamw)
+        model, regression_data(n=64), loss_fn=torch.nn.functional.mse_loss, optimizer=adamw
+    )
     x, y = regression_data(n=8).tensors
     torch.nn.functional.mse_loss(model(x), y).backward()
     return {"grads_kept": all(p.grad is not None for p in model.parameters())}

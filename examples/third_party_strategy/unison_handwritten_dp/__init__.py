@@ -8,17 +8,20 @@ path; a module-level ``unison_strategies`` hook registers it by name.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import unison
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+import unison
 from unison import (
     AccumulationOwner,
     ConfigurationError,
     GradAccumulation,
+    GradSync,
     Ownership,
     PrecisionOwner,
     PrecisionSupport,
@@ -151,6 +154,65 @@ class DoubleAveragingDataParallel(HandwrittenDataParallel):
             raise ConfigurationError("precision", "bf16-true is not implemented", "use bf16-mixed")
 
 
+class EveryMicroStepDataParallel(unison.Strategy):
+    """Averages gradients after *every* micro-batch's backward: more communication, the same numbers.
+
+    It has no ``no_sync()``: its ownership declares trainer-owned accumulation
+    with ``GradSync.EVERY_MICRO_STEP``, so the trainer enters none, and the
+    conformance suite checks one full gradient sync per micro-step. Each
+    micro-step's gradient is averaged over ranks before it is added to the
+    accumulated one (``param.grad`` holds the running sum): averaging is linear,
+    so the result equals averaging once at the boundary.
+    """
+
+    @property
+    def ownership(self) -> Ownership:
+        return Ownership(
+            grad_accumulation=GradAccumulation(
+                AccumulationOwner.TRAINER,
+                "backward() of every micro-batch all-reduces (mean) that micro-batch's gradient in one flattened "
+                "buffer and adds it to the accumulated gradient",
+                sync=GradSync.EVERY_MICRO_STEP,
+            ),
+            precision=_PRECISION,
+            state_dict=StateDictDeclaration(
+                kind=StateDictKind.FULL,
+                format="torch.distributed.checkpoint (DCP), keys = module parameter names",
+                reshardable=True,
+                canonical_export="module.state_dict() on every rank, fp32, on CPU",
+            ),
+        )
+
+    def setup(self, module: torch.nn.Module, make_optimizer: Any, *, precision: Any, settings: Any) -> None:
+        assert self.env is not None
+        module = module.to(self.env.device)
+        self.module = self.model = module
+        self.optimizer = make_optimizer(module.parameters())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        assert self.module is not None
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.env is None or not self.env.distributed:
+            loss.backward()
+            return
+        # This micro-step's gradient alone, averaged, then added to the running sum.
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+        flat = _flatten_dense_tensors([g for _, g in pairs])
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+        for (p, _), reduced in zip(pairs, _unflatten_dense_tensors(flat, [g for _, g in pairs])):
+            if p.grad is None:
+                p.grad = reduced.clone()
+            else:
+                p.grad.add_(reduced)
+
+    clip_grad_norm = HandwrittenDataParallel.clip_grad_norm
+    full_state_dict = HandwrittenDataParallel.full_state_dict
+    save_state = HandwrittenDataParallel.save_state
+    load_state = HandwrittenDataParallel.load_state
+
+
 @unison.hookimpl
 def unison_strategies() -> list[StrategySpec]:
     return [
@@ -163,5 +225,10 @@ def unison_strategies() -> list[StrategySpec]:
             name="handwritten_dp_double_avg",
             factory=DoubleAveragingDataParallel,
             description="deliberately wrong: averages gradients twice (a conformance-suite example)",
+        ),
+        StrategySpec(
+            name="handwritten_dp_every_step",
+            factory=EveryMicroStepDataParallel,
+            description="hand-written data parallel that all-reduces at every micro-step (declared)",
         ),
     ]

@@ -1,0 +1,203 @@
+"""Deliberately wrong strategies, a plugin module the conformance tests register by name.
+
+Each one is plain data parallel (whole model per rank, one flattened gradient
+all-reduce at the boundary) with exactly one defect a strategy written from the
+README could plausibly have. The conformance suite must refuse to certify each
+one and name what it broke; ``refuses_declared`` is the control (the same
+refusals as ``refuses_quietly``, declared) and must be certified.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+import unison
+from unison import (
+    AccumulationOwner,
+    ConfigurationError,
+    Feature,
+    GradAccumulation,
+    Ownership,
+    PrecisionOwner,
+    PrecisionSupport,
+    ReplicaInit,
+    StateDictDeclaration,
+    StateDictKind,
+    StrategySpec,
+)
+from unison.state import canonical, dcp_load, dcp_save
+from unison.strategy import model_features
+
+_PRECISION = {
+    "32-true": PrecisionSupport(PrecisionOwner.TRAINER, "fp32"),
+    "bf16-mixed": PrecisionSupport(PrecisionOwner.TRAINER, "torch.autocast(bfloat16)"),
+    "16-mixed": PrecisionSupport(PrecisionOwner.TRAINER, "torch.autocast(float16) + GradScaler"),
+    "bf16-true": PrecisionSupport.unsupported("not implemented"),
+}
+
+
+class _DataParallel(unison.Strategy):
+    """Correct hand-written data parallel; the subclasses below each break one thing."""
+
+    replica_init = ReplicaInit.TRAINER
+    refuses: ClassVar[dict[Feature, str]] = {}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sync = True
+
+    @property
+    def ownership(self) -> Ownership:
+        return Ownership(
+            grad_accumulation=GradAccumulation(AccumulationOwner.TRAINER, "no_sync() defers one flattened all-reduce"),
+            precision=_PRECISION,
+            state_dict=StateDictDeclaration(StateDictKind.FULL, "DCP", True, "module.state_dict()"),
+            replica_init=self.replica_init,
+            refuses=self.refuses,
+        )
+
+    def setup(self, module: torch.nn.Module, make_optimizer: Any, *, precision: Any, settings: Any) -> None:
+        assert self.env is not None
+        self.module = self.model = module.to(self.env.device)
+        self.optimizer = make_optimizer(self.module.parameters())
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if self._sync and self.env is not None and self.env.distributed:
+            self.average_gradients()
+
+    def average_gradients(self) -> None:
+        assert self.module is not None
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        assert self.module is not None
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        assert self.module is not None
+        return canonical(self.module.state_dict())
+
+    def save_state(self, directory: Path) -> None:
+        assert self.module is not None and self.optimizer is not None
+        dcp_save(self.module, self.optimizer, directory)
+
+    def load_state(self, directory: Path) -> None:
+        assert self.module is not None and self.optimizer is not None
+        dcp_load(self.module, self.optimizer, directory)
+
+
+class RefusesQuietly(_DataParallel):
+    """Refuses more than 2 micro-batches per step and models with buffers, but declares neither."""
+
+    def validate(self, settings: Any, world_size: int) -> None:
+        if settings.accumulate_grad_batches > 2:
+            raise ConfigurationError(
+                "accumulate_grad_batches", "accumulation is not implemented beyond 2", "set it to 1 or 2"
+            )
+
+    def validate_model(self, model: torch.nn.Module, settings: Any) -> None:
+        if Feature.BUFFERS in model_features(model):
+            raise ConfigurationError("model", "models with buffers are not implemented", "remove the buffers")
+
+
+class RefusesDeclared(RefusesQuietly):
+    """The same refusals as :class:`RefusesQuietly`, declared (the control: certified). A declared
+    refusal is per feature, so it covers all accumulation; the trainer then refuses it up front."""
+
+    refuses: ClassVar[dict[Feature, str]] = {
+        Feature.GRADIENT_ACCUMULATION: "accumulation is not implemented",
+        Feature.BUFFERS: "models with buffers are not implemented",
+    }
+
+
+class SkipsBroadcast(_DataParallel):
+    """Declares that its setup makes replicas equal (like DDP) but never broadcasts rank 0's weights."""
+
+    replica_init = ReplicaInit.STRATEGY
+
+
+class StaleBuffers(_DataParallel):
+    """Runs the forward on copies of the buffers: every buffer update is lost."""
+
+    def setup(self, module: torch.nn.Module, make_optimizer: Any, *, precision: Any, settings: Any) -> None:
+        super().setup(module, make_optimizer, precision=precision, settings=settings)
+        inner = self.module
+
+        def forward(inputs: Any) -> Any:
+            state = {**dict(inner.named_parameters()), **{n: b.clone() for n, b in inner.named_buffers()}}
+            return torch.func.functional_call(inner, state, (inputs,))
+
+        self.model = forward
+
+
+class EveryStepClaimsBoundary(_DataParallel):
+    """All-reduces after every micro-batch (numerically right) but declares boundary-only sync:
+    its ``no_sync()`` defers nothing."""
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        yield
+
+    def backward(self, loss: torch.Tensor) -> None:
+        assert self.module is not None
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        pairs = [(p, g) for p, g in zip(params, grads) if g is not None]
+        flat = _flatten_dense_tensors([g for _, g in pairs])
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+        for (p, _), reduced in zip(pairs, _unflatten_dense_tensors(flat, [g for _, g in pairs])):
+            p.grad = reduced.clone() if p.grad is None else p.grad.add_(reduced)
+
+
+class ForgetsOptimizerState(_DataParallel):
+    """Saves everything but, on resume, loads the model only (optimizer moments start from zero)."""
+
+    def load_state(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        assert self.module is not None
+        state = {"model": get_model_state_dict(self.module)}
+        dcp.load(state, checkpoint_id=str(directory))  # the model's keys only
+        set_model_state_dict(self.module, state["model"])
+
+
+BROKEN = {
+    "refuses_quietly": (RefusesQuietly, "refuses accumulation and buffers without declaring it"),
+    "refuses_declared": (RefusesDeclared, "refuses accumulation and buffers, declared"),
+    "skips_broadcast": (SkipsBroadcast, "declares replica_init=strategy but never broadcasts"),
+    "stale_buffers": (StaleBuffers, "runs the forward on copies of the buffers"),
+    "every_step_claims_boundary": (EveryStepClaimsBoundary, "syncs every micro-step, declares boundary sync"),
+    "forgets_optimizer_state": (ForgetsOptimizerState, "does not restore the optimizer state on resume"),
+}
+
+
+@unison.hookimpl
+def unison_strategies() -> list[StrategySpec]:
+    return [StrategySpec(name=name, factory=cls, description=text) for name, (cls, text) in BROKEN.items()]
