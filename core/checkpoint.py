@@ -100,7 +100,7 @@ class Checkpointer:
             # A URL picks its backend (s3:// -> object storage); an unknown scheme is refused here.
             self.root, self.storage = open_storage(root)
         else:
-            self.root, self.storage = Path(root), storage
+            self.root, self.storage = (root if isinstance(root, Path) else Path(root)), storage  # keeps a URL path
         self.keep_last_n = keep_last_n
         #: The run this checkpointer writes for; adopted from the checkpoint a
         #: run resumes from (within this root), otherwise made at the first save.
