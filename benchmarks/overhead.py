@@ -1,82 +1,58 @@
-"""Trainer overhead: unison `single` against a hand-written loop, same model and batches.
+"""Overhead per backend: unison against a hand-written loop on the same backend API.
 
-Run: ``OMP_NUM_THREADS=1 .venv/bin/python benchmarks/overhead.py [--steps N]``.
-Prints steps/s of both and their ratio. Both run in this process, interleaved
-over several repeats, and the best repeat of each is compared, so machine load
-affects both alike.
+For each strategy both contenders train the same workload (:mod:`.workload`)
+in the same process or world, alternated round by round (hand first on even
+rounds, unison first on odd ones) so that load on the machine hits both alike.
+Each run's steady-state step time is read from stamps taken after every
+optimizer step (warm-up steps excluded); the ratio is the median unison time
+over the median hand-written time. ``single`` runs in this process, the others
+in one gloo world.
 """
 
 from __future__ import annotations
 
-import argparse
-import time
+import statistics
+from typing import Any
 
-import torch
-from torch.utils.data import TensorDataset
+import torch.distributed as dist
 
-import unison
-from unison.data import BatchPlan, collate
+from benchmarks.workload import HAND_LOOPS, Workload, run_unison, steady_step_time
 
-
-def model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 1)
-    )
+DISTRIBUTED = ("ddp", "fsdp", "zero2", "zero3", "pipeline")
 
 
-def data() -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4096, 64, generator=g)
-    return TensorDataset(x, x.sum(1, keepdim=True))
+def alternate(w: Workload, strategy: str, rounds: int) -> dict[str, list[float]]:
+    """Step times of both contenders over ``rounds`` alternated rounds (on every rank; rank 0's are the world's)."""
+    times: dict[str, list[float]] = {"unison": [], "hand": []}
+    for r in range(rounds):
+        order = ("hand", "unison") if r % 2 == 0 else ("unison", "hand")
+        for who in order:
+            if dist.is_initialized():
+                dist.barrier()
+            stamps = HAND_LOOPS[strategy](w) if who == "hand" else run_unison(w, strategy)["stamps"]
+            times[who].append(steady_step_time(stamps, w.warmup))
+    return times
 
 
-def hand_loop(steps: int, accumulate: int, batch: int) -> float:
-    m, ds = model(), data()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    plan = BatchPlan(len(ds), batch, accumulate, 1, 0, seed=0)
-    start = time.perf_counter()
-    for step in range(steps):
-        for idx in plan.local_micro_indices(step):
-            x, y = collate(ds, idx)
-            (torch.nn.functional.mse_loss(m(x), y) / accumulate).backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+def world_overhead(w: Workload, strategies: tuple[str, ...], rounds: int) -> dict[str, Any]:
+    """Run in every rank of a world: the alternated rounds of each strategy, then ddp's per-step collectives."""
+    from benchmarks.framework import distributed_costs
+
+    out: dict[str, Any] = {"times": {s: alternate(w, s, rounds) for s in strategies}}
+    out["collectives_us"] = {s: distributed_costs(w, s) for s in strategies}
+    return out
 
 
-def unison_loop(steps: int, accumulate: int, batch: int) -> float:
-    trainer = unison.Trainer(
-        strategy="single",
-        max_steps=steps,
-        accumulate_grad_batches=accumulate,
-        global_batch_size=batch,
-        grad_clip_norm=1.0,
-        log_every_n_steps=10**9,
-    )
-    start = time.perf_counter()
-    trainer.fit(
-        model(), data(), loss_fn=torch.nn.functional.mse_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3)
-    )
-    return time.perf_counter() - start
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    hand, uni = [], []
-    for _ in range(args.repeats):
-        hand.append(hand_loop(args.steps, 4, 64))
-        uni.append(unison_loop(args.steps, 4, 64))
-    h, u = min(hand), min(uni)
-    print(f"hand-written: {args.steps / h:8.1f} steps/s")
-    print(f"unison single: {args.steps / u:7.1f} steps/s")
-    print(f"unison / hand-written time ratio: {u / h:.3f}")
-
-
-if __name__ == "__main__":
-    main()
+def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
+    u, h = statistics.median(times["unison"]), statistics.median(times["hand"])
+    # Noise: the spread of the per-round ratios (each round's pair ran back to back).
+    per_round = [a / b for a, b in zip(times["unison"], times["hand"])]
+    return {
+        "unison_ms": u * 1e3,
+        "hand_ms": h * 1e3,
+        "ratio": u / h,
+        "round_ratios": per_round,
+        "hand_spread": (max(times["hand"]) - min(times["hand"])) / h,
+        "unison_spread": (max(times["unison"]) - min(times["unison"])) / u,
+        "rounds": len(per_round),
+    }

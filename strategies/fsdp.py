@@ -519,7 +519,8 @@ class FSDP1Strategy(_ShardedStrategy):
         # global. With no limit, clip at +inf: the coefficient clamps to 1.0
         # and the gradients are multiplied by exactly 1 (unchanged).
         norm = self.model.clip_grad_norm_(float("inf") if max_norm is None else max_norm)
-        return norm.detach().float().cpu()
+        # Stays on the device: a copy to the host here would synchronise every step.
+        return norm.detach().float()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         from torch.distributed.checkpoint.state_dict import (

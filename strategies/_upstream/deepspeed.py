@@ -7,7 +7,8 @@ Pipeline engine (``deepspeed.runtime.pipe.engine.PipelineEngine``)
     (:func:`train_schedule_without_step`).
 ZeRO-1/2 (``deepspeed.runtime.zero.stage_1_and_2``)
     :func:`fp32_partitions`, :func:`is_linked`, :func:`fragment`, :func:`fragment_group`:
-    the fp32 master partitions and each parameter's ``_hp_mapping`` fragment link.
+    the fp32 master partitions and each parameter's ``_hp_mapping`` fragment link;
+    :func:`local_grad_piece`: this rank's piece of a reduced gradient (one scalar all-reduce per norm).
 ZeRO-3 (``deepspeed.runtime.zero.stage3`` / ``partition_parameters``)
     :func:`fp32_partitions`, :func:`is_partitioned`, :func:`local_partition`,
     :func:`partition_group`, :func:`kept_whole`: the attributes ZeRO-3 puts on parameters.
@@ -181,6 +182,50 @@ def kept_whole(param: torch.Tensor) -> bool:
     return bool(getattr(param, "ds_persist", False))
 
 
+def local_grad_piece(param: torch.nn.Parameter) -> tuple[torch.Tensor | None, Any]:
+    """This rank's piece of ``param``'s reduced gradient and the group the pieces are spread over.
+
+    Follows ``deepspeed.utils.safe_get_full_grad`` case by case, minus its
+    gather: the pieces of all ranks are disjoint and cover the parameter, so
+    the sum of their squares over the group is the squared norm of the full
+    gradient, with one scalar all-reduce instead of one collective of the
+    parameter's size per parameter. Valid after the boundary backward and
+    before ``engine.step()``. The group is ``None`` when the piece is the
+    whole gradient, equal on every rank (``param.grad`` is set, ZeRO-1); the
+    piece is ``None`` when this rank holds none.
+
+    * a bf16 accumulation buffer (``_hp_grad``) or a linked ZeRO-1/2
+      parameter: the fragment ``get_full_hp_grad`` itself reads (PRIVATE
+      ``_hp_mapping.get_lp_grad_fragment``; of a whole bf16 buffer only the owned
+      fragment counts);
+    * ZeRO-3: the public ``safe_get_local_grad`` (the padded local fp32
+      partition; the padding is cut off here).
+    """
+    mapping = getattr(param, "_hp_mapping", None)
+    if getattr(param, "_hp_grad", None) is None and param.grad is not None:
+        return param.grad, None
+    if is_partitioned(param):
+        from deepspeed.utils import safe_get_local_grad
+
+        group = partition_group(param)
+        piece = safe_get_local_grad(param)
+        if piece is None:
+            return None, group
+        piece = piece.flatten()
+        start = torch.distributed.get_rank(group=group) * piece.numel()
+        return piece.narrow(0, 0, max(0, min(piece.numel(), param.ds_numel - start))), group
+    if not is_linked(param):
+        return None, None
+    group = fragment_group(param)
+    if mapping is None:
+        return None, group
+    piece = mapping.get_lp_grad_fragment(param._index_in_param_group).flatten()
+    address = mapping.lp_fragment_address
+    if piece.numel() == param.numel():  # a whole bf16 accumulation buffer: only the owned fragment
+        piece = piece.narrow(0, address.start, address.numel)
+    return piece, group
+
+
 def forget_process_groups() -> None:
     """Drop DeepSpeed's cached process groups (as ``deepspeed.comm.destroy_process_group`` does).
 
@@ -209,6 +254,7 @@ __all__ = [
     "is_linked",
     "is_partitioned",
     "kept_whole",
+    "local_grad_piece",
     "local_partition",
     "partition_group",
     "run_train_schedule_without_step",

@@ -18,10 +18,10 @@ advances the counter); :meth:`~DeepSpeedStrategy.optimizer_step` runs the
 boundary ``engine.step()``, which clips (``gradient_clipping``), updates and
 zeroes the gradients. The loss is scaled exactly once, by the engine.
 
-The grad norm unison reports is measured before that step from the full
-gradients (``deepspeed.utils.safe_get_full_grad``, collective under ZeRO-2/3);
-it equals the reference's and the one the engine then clips with
-(``engine.get_global_grad_norm()``).
+The grad norm unison reports is measured before that step from each rank's
+piece of the reduced gradients (one scalar all-reduce; see
+``_upstream.deepspeed.local_grad_piece``); it equals the reference's and the
+one the engine then clips with (``engine.get_global_grad_norm()``).
 
 Checkpoints
 -----------
@@ -257,22 +257,35 @@ class DeepSpeedStrategy(Strategy):
         return self._global_grad_norm()
 
     def _global_grad_norm(self) -> torch.Tensor:
-        from deepspeed.utils import safe_get_full_grad
+        """The global L2 norm from each rank's piece of the reduced gradients: one scalar all-reduce.
 
+        (Gathering every full gradient with ``safe_get_full_grad``, one
+        collective of the parameter's size per parameter, cost more than the
+        engine's step on small models.)
+        """
         assert self.module is not None
-        total = torch.zeros((), dtype=torch.float64, device=self.env.device if self.env else "cpu")
+        device = self.env.device if self.env else torch.device("cpu")
+        # Sums of squares by the group the pieces are spread over (None: whole on every rank).
+        squares: dict[Any, torch.Tensor] = {}
         for param in self.module.parameters():
             if not param.requires_grad:
                 continue
-            grad = safe_get_full_grad(param)
-            if grad is not None:
-                total += grad.detach().double().pow(2).sum()
+            piece, group = ds.local_grad_piece(param)
+            partial = squares.setdefault(group, torch.zeros((), dtype=torch.float64, device=device))
+            if piece is not None:
+                partial += piece.detach().to(device).double().pow(2).sum()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for group, partial in squares.items():
+            if group is not None:
+                torch.distributed.all_reduce(partial, group=group)
+            total += partial
         norm = total.sqrt()
         if self._dtype == torch.float16:
             # fp16 gradients hold loss * scale; report the unscaled norm (inf
             # or nan on overflow, like the trainer's GradScaler path).
             norm = norm / float(self.engine.optimizer.loss_scale)
-        return norm.float().cpu()
+        # Stays on the device: a copy to the host here would synchronise every step.
+        return norm.float()
 
     def optimizer_step(self) -> bool:
         self.engine.step()

@@ -1,0 +1,452 @@
+"""``python -m benchmarks``: every benchmark in one run; prints tables and writes benchmarks/RESULTS.md.
+
+Sections (``--only`` picks some): ``overhead`` (unison / hand-written loop per
+backend), ``peer`` (unison / PyTorch Lightning ddp), ``framework`` (time
+outside backend calls, hook dispatch), ``worlds`` (memory at world 2 and 4,
+step time at world 1, 2, 4), ``conformance`` (wall time of the conformance
+matrix: read from ``--conformance-log``, or measured with ``--run-conformance``;
+never run by default, it takes minutes).
+
+Set ``OMP_NUM_THREADS=1`` (each rank of a world gets one thread, as the
+conformance suite does); the run sets it when unset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SECTIONS = ("overhead", "peer", "framework", "worlds", "conformance")
+HERE = Path(__file__).resolve().parent
+#: Ratio targets (unison / the other), and the framework-time target.
+RATIO_TARGET = 1.03
+DISPATCH_TARGET_US = 100.0
+
+
+class Table:
+    """One result table, printed with rich and written as Markdown."""
+
+    def __init__(self, title: str, headers: list[str], note: str = "") -> None:
+        self.title, self.headers, self.note = title, headers, note
+        self.rows: list[list[str]] = []
+
+    def add(self, *cells: Any) -> None:
+        self.rows.append([str(c) for c in cells])
+
+    def rich(self) -> Any:
+        from rich.table import Table as RichTable
+
+        table = RichTable(title=self.title, caption=self.note or None, caption_justify="left")
+        for h in self.headers:
+            table.add_column(h)
+        for row in self.rows:
+            table.add_row(*row)
+        return table
+
+    def markdown(self) -> str:
+        lines = [f"### {self.title}", ""]
+        if self.note:
+            lines += [self.note, ""]
+        lines.append("| " + " | ".join(self.headers) + " |")
+        lines.append("|" + "---|" * len(self.headers))
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in self.rows]
+        return "\n".join(lines) + "\n"
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def machine() -> dict[str, str]:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {
+        "cpu": f"{cpu}, {usable} usable cores",
+        "gpu": gpu,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "unset"),
+        "load average at start (1, 5, 15 min)": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+PACKAGES = ("unison", "torch", "deepspeed", "lightning", "pluggy", "numpy")
+
+
+def _fmt_ratio(r: float) -> str:
+    return f"{r:.3f}" + ("" if r <= RATIO_TARGET else " (above target)")
+
+
+# --------------------------------------------------------------------------- #
+# sections
+# --------------------------------------------------------------------------- #
+
+
+def section_overhead(w: Any, rounds: int, timeout: float) -> tuple[list[Table], dict[str, Any]]:
+    from benchmarks.overhead import DISTRIBUTED, alternate, summarize, world_overhead
+    from benchmarks.workload import HAND_DESCRIPTION
+    from unison.launch import spawn
+
+    results = {"single": alternate(w, "single", rounds)}
+    world = spawn(world_overhead, 2, w, DISTRIBUTED, rounds, timeout=timeout)[0]
+    results.update(world["times"])
+    table = Table(
+        "Overhead per backend: unison / hand-written loop on the same backend API",
+        [
+            "strategy",
+            "world",
+            "hand-written ms/step",
+            "unison ms/step",
+            "ratio (target <= 1.03)",
+            "per-round ratios",
+            "hand-written loop",
+        ],
+        f"Median of {rounds} alternated rounds; steady-state step time ({w.steps - w.warmup} steps after "
+        f"{w.warmup} warm-up). Per-round ratios show the noise: each round's pair ran back to back.",
+    )
+    summary: dict[str, Any] = {"collectives_us": world["collectives_us"]}
+    for name, times in results.items():
+        s = summarize(times)
+        summary[name] = s
+        table.add(
+            name,
+            1 if name == "single" else 2,
+            f"{s['hand_ms']:.2f}",
+            f"{s['unison_ms']:.2f}",
+            _fmt_ratio(s["ratio"]),
+            " ".join(f"{r:.2f}" for r in s["round_ratios"]),
+            HAND_DESCRIPTION[name],
+        )
+    collectives = Table(
+        "Where a distributed unison step spends time around the backend (2 gloo ranks), us per step",
+        ["strategy", "stop agreement", "bare 2-float all-reduce", "loss reduce", "grad norm (+ clip if trainer's)"],
+        "Stop agreement: should_stop and stop requests, one all-reduce of 2 floats on the CPU (gloo) control group "
+        "at every step boundary (a CPU collective: no device sync). Loss reduce: the micro-batch losses summed over "
+        "replicas on the device (every rank reports the same loss). Grad norm: strategy.clip_grad_norm, the global "
+        "pre-clip norm hooks receive. Bare all-reduce: the same collective in a tight loop (its latency alone; "
+        "the rest of the stop agreement is waiting for the slower rank). Medians over the steady steps of one run.",
+    )
+    for name, c in world["collectives_us"].items():
+        collectives.add(
+            name,
+            f"{c['stop_agreement']:.0f}",
+            f"{c['bare_all_reduce']:.0f}",
+            f"{c['loss_reduce']:.0f}",
+            f"{c['grad_norm']:.0f}",
+        )
+    return [table, collectives], summary
+
+
+def section_peer(w: Any, rounds: int, timeout: float) -> tuple[Table, dict[str, Any]]:
+    from benchmarks.peer import world_peer
+    from unison.launch import spawn
+
+    out = spawn(world_peer, 2, w, rounds, timeout=timeout)[0]
+    u, lt = statistics.median(out["times"]["unison"]), statistics.median(out["times"]["lightning"])
+    per_round = [a / b for a, b in zip(out["times"]["unison"], out["times"]["lightning"])]
+    table = Table(
+        "Peer: unison ddp / PyTorch Lightning ddp (accumulation and clipping, same global batches)",
+        [
+            "Lightning ms/step",
+            "unison ms/step",
+            "ratio (target <= 1.03)",
+            "per-round ratios",
+            "max abs final-weight difference",
+            "max abs weight change in training",
+        ],
+        f"Lightning {_version('lightning')}, 2 gloo ranks, median of {rounds} alternated rounds.",
+    )
+    table.add(
+        f"{lt * 1e3:.2f}",
+        f"{u * 1e3:.2f}",
+        _fmt_ratio(u / lt),
+        " ".join(f"{r:.2f}" for r in per_round),
+        f"{out['max_abs_weight_diff']:.2e}",
+        f"{out['max_abs_weight_change']:.2e}",
+    )
+    return table, {**out, "ratio": u / lt}
+
+
+def section_framework(w: Any, rounds: int) -> tuple[list[Table], dict[str, Any]]:
+    from benchmarks.framework import run
+
+    out = run(w, rounds)
+    t1 = Table(
+        "Framework time per optimizer step (single, outside backend calls)",
+        ["callbacks", "step wall us", "backend + loss_fn us", "data loading us", "framework us"],
+        "Backend calls: the strategy's forward, backward, no_sync, reduce_sum, clip_grad_norm, optimizer_step, "
+        "zero_grad and the user's loss_fn, timed in place. Data loading: the trainer's DataLoader (a hand-written "
+        "loop loads its batches too). Framework = wall - backend - data: the trainer's own work, hooks included.",
+    )
+    for n, r in out["framework"].items():
+        t1.add(n, f"{r['wall_us']:.0f}", f"{r['backend_us']:.0f}", f"{r['data_us']:.0f}", f"{r['framework_us']:.0f}")
+    t2 = Table(
+        "Hook dispatch per optimizer step",
+        ["callbacks", "dispatch us/step", "target"],
+        "The five per-step hooks through the plugin manager, each callback implementing all five with an empty "
+        "body, plus the default plugins (Throughput).",
+    )
+    for n, us in out["dispatch"].items():
+        t2.add(
+            n,
+            f"{us:.1f}",
+            f"< {DISPATCH_TARGET_US:.0f} us" + (" (met)" if us < DISPATCH_TARGET_US else " (missed)") if n == 5 else "",
+        )
+    sc = out["sampler"]
+    t3 = Table(
+        "Sampler: planning one step on a shuffled ImageNet-sized dataset",
+        ["samples", "first step of an epoch us", "every other step us", "one randperm us"],
+        "The trainer draws each epoch's permutation once and slices it per step (drawing it every step would "
+        "cost the randperm column on every step).",
+    )
+    t3.add(
+        f"{sc['dataset_size']:,}", f"{sc['first_step_us']:.0f}", f"{sc['steady_us']:.0f}", f"{sc['randperm_us']:.0f}"
+    )
+    return [t1, t2, t3], out
+
+
+def section_worlds(w: Any, rounds: int, timeout: float) -> tuple[list[Table], dict[str, Any]]:
+    from benchmarks.memory_scaling import MEMORY, SCALING, ZERO_FORMULA, ZERO_FORMULA_TEXT, world_memory_scaling
+    from unison.launch import spawn
+
+    results = {n: spawn(world_memory_scaling, n, w, rounds, n > 1, timeout=timeout)[0] for n in (1, 2, 4)}
+    scaling = Table(
+        "Scaling: step time at world 1, 2, 4 (fixed global batch)",
+        ["strategy", *[f"world {n} ms/step" for n in results], *[f"speed-up at {n}" for n in results if n > 1]],
+        f"Global batch {w.global_batch}, accumulation {w.accumulate}; median of {rounds} runs. This machine has "
+        f"{len(os.sched_getaffinity(0))} cores shared with other work: ranks beyond the core count time-share.",
+    )
+    for s in SCALING:
+        base = results[1]["scaling"][s]["median_ms"]
+        scaling.add(
+            s,
+            *[f"{results[n]['scaling'][s]['median_ms']:.2f}" for n in results],
+            *[f"{base / results[n]['scaling'][s]['median_ms']:.2f}x" for n in results if n > 1],
+        )
+    psi = w.parameters()
+    memory = Table(
+        f"Memory per rank (fp32, AdamW, Ψ = {psi:,} parameters), bytes: measured / ZeRO formula",
+        [
+            "strategy",
+            "world",
+            "parameters",
+            "gradients",
+            "optimizer state",
+            "total / formula",
+            "formula",
+            "RSS MiB (after setup+3 steps)",
+        ],
+        "Measured: Strategy.memory_footprint() on rank 0 after the last step. Formula: the ZeRO paper's, fp32 "
+        "(4-byte parameters and gradients, K = 8 for Adam's two moments); DeepSpeed keeps a separate fp32 master "
+        "partition even for fp32 parameters, so zero1/2/3 are compared with the paper's K = 12. torch_zero "
+        "(ZeroRedundancyOptimizer) assigns whole parameters to ranks, so its shards are as even as the largest "
+        "parameter allows; ZeRO-3 keeps parameters under its persistence threshold whole on every rank.",
+    )
+    for n in (2, 4):
+        for s in MEMORY:
+            m = results[n]["memory"][s]
+            fp, fg, fo = (f(n) * psi for f in ZERO_FORMULA[s])
+            total = m["parameters"] + m["gradients"] + m["optimizer_state"]
+            memory.add(
+                s,
+                n,
+                f"{m['parameters']:,} / {fp:,.0f}",
+                f"{m['gradients']:,} / {fg:,.0f}",
+                f"{m['optimizer_state']:,} / {fo:,.0f}",
+                f"{total / (fp + fg + fo):.3f}",
+                ZERO_FORMULA_TEXT[s],
+                f"{m['rss_mib']:.0f}",
+            )
+    return [scaling, memory], results
+
+
+def _wall_seconds(text: str) -> float | None:
+    """Seconds from ``wall_s=S`` (written by --run-conformance) or a shell ``time`` line (``real 1m12.5s``)."""
+    m = re.search(r"wall_s=([0-9.]+)", text)
+    if m:
+        return float(m.group(1))
+    m = re.search(r"^real\s+(?:([0-9]+)m)?([0-9.]+)s?$", text, re.M)
+    if m:
+        return 60 * float(m.group(1) or 0) + float(m.group(2))
+    return None
+
+
+def section_conformance(log: str | None, run: bool) -> tuple[Table | None, dict[str, Any]]:
+    table = Table("Conformance matrix wall time", ["command", "wall time", "source"])
+    if run:
+        exe = Path(sys.executable).with_name("unison")
+        command = [str(exe), "conformance", "--strategy", "all"]
+        start = time.perf_counter()
+        proc = subprocess.run(command, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        path = HERE / "conformance.log"
+        path.write_text(
+            f"# wall_s={wall:.1f} exit={proc.returncode} command={shlex.join(command[1:])}\n"
+            + proc.stdout
+            + proc.stderr
+        )
+        table.add(
+            "unison conformance --strategy all",
+            f"{wall:.0f} s (exit {proc.returncode})",
+            f"measured in this run; output in {path.relative_to(HERE.parent)}",
+        )
+        return table, {"wall_s": wall}
+    if log:
+        text = Path(log).read_text()
+        wall = _wall_seconds(text)
+        if wall is None:
+            raise SystemExit(f"--conformance-log {log}: no 'wall_s=SECONDS' line nor a shell `time` 'real' line")
+        found = re.search(r"command=(.*)", text)
+        command = found.group(1) if found else "conformance --strategy all"
+        table.add(f"unison {command}", f"{wall:.0f} s", f"read from {log}")
+        return table, {"wall_s": wall}
+    return None, {}
+
+
+# --------------------------------------------------------------------------- #
+# main
+# --------------------------------------------------------------------------- #
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS[:-1]),
+        help=f"comma-separated sections out of {', '.join(SECTIONS)} (default: all but conformance)",
+    )
+    parser.add_argument("--rounds", type=int, default=5, help="alternated rounds per comparison (>= 5 for RESULTS)")
+    parser.add_argument("--steps", type=int, default=25, help="optimizer steps per timed run")
+    parser.add_argument("--warmup", type=int, default=5, help="steps excluded from the steady state")
+    parser.add_argument("--conformance-log", default=None, help="file with the conformance run's wall time")
+    parser.add_argument("--run-conformance", action="store_true", help="time `unison conformance --strategy all`")
+    parser.add_argument("--output", default=str(HERE / "RESULTS.md"), help="Markdown results ('-' for none)")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds one world may take")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    from rich.console import Console
+
+    from benchmarks.workload import Workload
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    sections = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown section(s) {sorted(unknown)}; pick from {', '.join(SECTIONS)}")
+    if (args.conformance_log or args.run_conformance) and "conformance" not in sections:
+        sections.append("conformance")
+    w = Workload(steps=args.steps, warmup=args.warmup)
+    console = Console()
+    host = machine()
+    started = time.perf_counter()
+    tables: list[Table] = []
+    timings: dict[str, float] = {}
+
+    def timed(name: str, fn: Any) -> Any:
+        console.print(f"[bold]running {name}[/bold] ...")
+        t = time.perf_counter()
+        out = fn()
+        timings[name] = time.perf_counter() - t
+        return out
+
+    if "overhead" in sections:
+        tables += timed("overhead", lambda: section_overhead(w, args.rounds, args.timeout))[0]
+    if "peer" in sections:
+        tables.append(timed("peer", lambda: section_peer(w, args.rounds, args.timeout))[0])
+    if "framework" in sections:
+        tables += timed("framework", lambda: section_framework(w, args.rounds))[0]
+    if "worlds" in sections:
+        tables += timed("worlds", lambda: section_worlds(w, max(3, args.rounds // 2 + 1), args.timeout))[0]
+    if "conformance" in sections:
+        table, _ = timed("conformance", lambda: section_conformance(args.conformance_log, args.run_conformance))
+        if table is not None:
+            tables.append(table)
+    if not any(t.title.startswith("Conformance") for t in tables):
+        note = Table("Conformance matrix wall time", ["command", "wall time", "source"])
+        note.add(
+            "unison conformance --strategy all",
+            "not measured in this run",
+            "pass --conformance-log FILE (a log with wall_s=S or a shell `time` line) or --run-conformance",
+        )
+        tables.append(note)
+    wall = time.perf_counter() - started
+    host["load average at end (1, 5, 15 min)"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    for table in tables:
+        console.print(table.rich())
+    console.print(f"total wall time {wall:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in timings.items())})")
+    if args.output != "-":
+        command = "OMP_NUM_THREADS=1 python -m benchmarks" + (
+            "" if argv is None and len(sys.argv) == 1 else " " + shlex.join(sys.argv[1:] if argv is None else argv)
+        )
+        write_results(Path(args.output), tables, host, w, command, wall, timings)
+        console.print(f"wrote {args.output}")
+
+
+def write_results(
+    path: Path, tables: list[Table], host: dict[str, str], w: Any, command: str, wall: float, timings: dict[str, float]
+) -> None:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Written by `python -m benchmarks` on {now}. Reproduce from the repository root with:",
+        "",
+        "```",
+        f"{command}",
+        "```",
+        "",
+        f"Total wall time: {wall:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in timings.items())}).",
+        "",
+        "## Machine",
+        "",
+        *[f"- {k}: {v}" for k, v in host.items()],
+        "",
+        "## Packages",
+        "",
+        *[f"- {p} {_version(p)}" for p in PACKAGES],
+        "",
+        "## Workload",
+        "",
+        f"MLP {w.d_in} -> {' -> '.join([str(w.hidden)] * (w.layers - 1))} -> 1 (Tanh, {w.parameters():,} "
+        f"parameters), AdamW lr {w.lr}, MSE, global batch {w.global_batch}, accumulation {w.accumulate}, clipping "
+        f"at {w.clip} (global norm), {w.steps} steps per timed run of which {w.warmup} warm-up, fp32, "
+        "gloo on CPU, `progress='off'`, nothing logged in the timed window.",
+        "",
+        "## Results",
+        "",
+        *[t.markdown() for t in tables],
+    ]
+    analysis = HERE / "ANALYSIS.md"
+    if analysis.exists():
+        lines += ["## Analysis", "", analysis.read_text().strip(), ""]
+    path.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

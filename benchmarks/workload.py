@@ -1,0 +1,309 @@
+"""The one workload every benchmark trains, and the hand-written loops it is compared with.
+
+Model, data and settings are shared: an MLP (an ``nn.Sequential`` of Linear
+layers, so the pipeline can split it), AdamW, accumulation over micro-batches,
+clipping by the global norm, fixed data order (``shuffle=False``: global batch
+``k`` is samples ``k*G .. k*G+G-1``, micro-batch ``m`` of it is cut into one
+contiguous slice per data-parallel rank, exactly as unison cuts it).
+
+Each hand-written loop uses its backend's API directly, the way its
+documentation shows, and feeds the same micro-batches through a plain
+``DataLoader`` (per-sample ``__getitem__`` and ``default_collate``, like
+unison's own loader). Each returns the wall-clock time stamps taken after every
+optimizer step, so the benchmark reads the steady-state step time from the
+same place for every contender.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one timed run trains."""
+
+    d_in: int = 64
+    hidden: int = 512
+    layers: int = 4
+    samples: int = 8192
+    global_batch: int = 64
+    accumulate: int = 2
+    clip: float = 0.5
+    lr: float = 1e-3
+    steps: int = 25
+    warmup: int = 5
+
+    def model(self) -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        dims = [self.d_in] + [self.hidden] * (self.layers - 1)
+        mods: list[torch.nn.Module] = []
+        for a, b in itertools.pairwise(dims):
+            mods += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+        mods.append(torch.nn.Linear(dims[-1], 1))
+        return torch.nn.Sequential(*mods)
+
+    def data(self) -> TensorDataset:
+        g = torch.Generator().manual_seed(123)
+        x = torch.randn(self.samples, self.d_in, generator=g)
+        y = torch.tanh(x[:, :8]).sum(1, keepdim=True) + 0.1 * torch.randn(self.samples, 1, generator=g)
+        return TensorDataset(x, y)
+
+    def parameters(self) -> int:
+        return sum(p.numel() for p in self.model().parameters())
+
+    def micro_indices(self, step: int, replicas: int, rank: int) -> list[list[int]]:
+        """Rank ``rank``'s slice of each micro-batch of optimizer step ``step`` (unison's cut)."""
+        start = step * self.global_batch
+        per_micro = self.global_batch // self.accumulate
+        per_rank = per_micro // replicas
+        return [
+            list(range(start + m * per_micro + rank * per_rank, start + m * per_micro + (rank + 1) * per_rank))
+            for m in range(self.accumulate)
+        ]
+
+    def loader(self, replicas: int, rank: int) -> DataLoader:
+        """The micro-batches a hand-written loop feeds, in unison's order, through a plain DataLoader."""
+        sampler = [idx for step in range(self.steps) for idx in self.micro_indices(step, replicas, rank)]
+        return DataLoader(self.data(), batch_sampler=sampler)
+
+    def unison_settings(self, **extra: Any) -> dict[str, Any]:
+        return {
+            "max_steps": self.steps,
+            "global_batch_size": self.global_batch,
+            "accumulate_grad_batches": self.accumulate,
+            "grad_clip_norm": self.clip,
+            "shuffle": False,
+            "progress": "off",
+            # Nothing logged inside the timed window: like the hand-written loops.
+            "log_every_n_steps": 10**6,
+            **extra,
+        }
+
+    def optimizer(self, params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=self.lr)
+
+
+def steady_step_time(stamps: list[float], warmup: int) -> float:
+    """Mean seconds per optimizer step after ``warmup`` steps, from stamps taken after each step."""
+    return (stamps[-1] - stamps[warmup - 1]) / (len(stamps) - warmup)
+
+
+# --------------------------------------------------------------------------- #
+# unison
+# --------------------------------------------------------------------------- #
+
+
+def stamp_plugin() -> tuple[Any, list[float]]:
+    import unison
+
+    stamps: list[float] = []
+
+    class Stamps:
+        @unison.hookimpl
+        def unison_on_train_step_end(self) -> None:
+            stamps.append(time.perf_counter())
+
+    return Stamps(), stamps
+
+
+def run_unison(
+    w: Workload,
+    strategy: str,
+    *,
+    callbacks: tuple = (),
+    strategy_options: dict | None = None,
+    nonfinite: str = "raise",
+    **extra: Any,
+) -> dict[str, Any]:
+    """Train with unison; return step stamps, the final state and the trainer."""
+    import unison
+
+    plugin, stamps = stamp_plugin()
+    options = {"strategy_options": strategy_options} if strategy_options else {}
+    trainer = unison.Trainer(
+        strategy=strategy, callbacks=[plugin, *callbacks], nonfinite=nonfinite, **w.unison_settings(**options, **extra)
+    )
+    trainer.fit(w.model, w.data(), loss_fn=torch.nn.functional.mse_loss, optimizer=w.optimizer)
+    return {"stamps": stamps, "trainer": trainer}
+
+
+# --------------------------------------------------------------------------- #
+# Hand-written loops, one per backend API
+# --------------------------------------------------------------------------- #
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def hand_single(w: Workload) -> list[float]:
+    model = w.model()
+    opt = w.optimizer(model.parameters())
+    stamps = []
+    batches = iter(w.loader(1, 0))
+    for _ in range(w.steps):
+        for _ in range(w.accumulate):
+            x, y = next(batches)
+            (torch.nn.functional.mse_loss(model(x), y) / w.accumulate).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stamps.append(time.perf_counter())
+    return stamps
+
+
+def hand_ddp(w: Workload) -> list[float]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = _world()
+    model = DistributedDataParallel(w.model())
+    opt = w.optimizer(model.parameters())
+    stamps = []
+    batches = iter(w.loader(world, rank))
+    for _ in range(w.steps):
+        for m in range(w.accumulate):
+            x, y = next(batches)
+            # Gradient all-reduce only on the last micro-batch of the step.
+            with model.no_sync() if m < w.accumulate - 1 else contextlib.nullcontext():
+                (torch.nn.functional.mse_loss(model(x), y) / w.accumulate).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stamps.append(time.perf_counter())
+    return stamps
+
+
+def hand_fsdp(w: Workload) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world = _world()
+    model = w.model()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = w.optimizer(model.parameters())
+    stamps = []
+    batches = iter(w.loader(world, rank))
+    for _ in range(w.steps):
+        for m in range(w.accumulate):
+            x, y = next(batches)
+            model.set_requires_gradient_sync(m == w.accumulate - 1)
+            (torch.nn.functional.mse_loss(model(x), y) / w.accumulate).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)  # DTensor-aware: the global norm
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stamps.append(time.perf_counter())
+    return stamps
+
+
+def deepspeed_config(w: Workload, stage: int, world: int) -> dict[str, Any]:
+    """The DeepSpeed config unison generates for these settings (so both runs configure the engine alike)."""
+    import unison
+
+    trainer = unison.Trainer(strategy=f"zero{stage}", **w.unison_settings())
+    return trainer.strategy.build_config(trainer.settings, world)
+
+
+def hand_deepspeed(w: Workload, stage: int) -> list[float]:
+    import os
+
+    import deepspeed
+
+    rank, world = _world()
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    model = w.model()
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=w.optimizer(model.parameters()), config=deepspeed_config(w, stage, world)
+    )
+    stamps = []
+    batches = iter(w.loader(world, rank))
+    for _ in range(w.steps):
+        for _ in range(w.accumulate):
+            x, y = next(batches)
+            # The engine divides by gradient_accumulation_steps, counts micro-steps,
+            # and reduces, clips and updates at its boundary.
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+        stamps.append(time.perf_counter())
+    engine.destroy()
+    return stamps
+
+
+def hand_pipeline(w: Workload) -> list[float]:
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank, world = _world()
+    stages = world  # one pipeline over the world
+    model = w.model()
+    children = list(model.children())
+    # Split the Sequential by parameter count, as unison balances it.
+    sizes = [sum(p.numel() for p in c.parameters()) for c in children]
+    total, acc, cut = sum(sizes), 0, []
+    for i, s in enumerate(sizes):
+        acc += s
+        if len(cut) < stages - 1 and acc >= total * (len(cut) + 1) / stages:
+            cut.append(i + 1)
+    bounds = [0, *cut, len(children)]
+    mine = torch.nn.Sequential(*children[bounds[rank] : bounds[rank + 1]])
+    stage = PipelineStage(mine, rank, stages, torch.device("cpu"))
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, target) / w.accumulate
+
+    schedule = ScheduleGPipe(stage, w.accumulate, loss_fn=loss_fn, scale_grads=False)
+    opt = w.optimizer(mine.parameters())
+    stamps = []
+    batches = iter(w.loader(1, 0))
+    for _ in range(w.steps):
+        micro = [next(batches) for _ in range(w.accumulate)]
+        # The schedule re-splits one whole batch into the micro-batches.
+        x, y = torch.cat([b[0] for b in micro]), torch.cat([b[1] for b in micro])
+        if rank == 0:
+            schedule.step(x)
+        elif rank == stages - 1:
+            losses: list[torch.Tensor] = []
+            schedule.step(target=y, losses=losses)
+        else:
+            schedule.step()
+        grads = [p.grad for p in mine.parameters() if p.grad is not None]
+        squared = torch.nn.utils.get_total_norm(grads).pow(2).reshape(1)
+        dist.all_reduce(squared)  # the global norm over all stages
+        torch.nn.utils.clip_grads_with_norm_(list(mine.parameters()), w.clip, squared.sqrt().reshape(()))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        stamps.append(time.perf_counter())
+    return stamps
+
+
+HAND_LOOPS = {
+    "single": hand_single,
+    "ddp": hand_ddp,
+    "fsdp": hand_fsdp,
+    "zero2": lambda w: hand_deepspeed(w, 2),
+    "zero3": lambda w: hand_deepspeed(w, 3),
+    "pipeline": hand_pipeline,
+}
+
+#: What each hand-written loop calls, for the results table.
+HAND_DESCRIPTION = {
+    "single": "model(x), loss / accumulate, backward, clip_grad_norm_, AdamW.step",
+    "ddp": "DistributedDataParallel, no_sync() off the boundary, clip_grad_norm_",
+    "fsdp": "FSDP2 fully_shard per Linear + root, set_requires_gradient_sync, clip_grad_norm_ (DTensor)",
+    "zero2": "deepspeed.initialize(stage 2), engine.backward + engine.step every micro-batch",
+    "zero3": "deepspeed.initialize(stage 3), engine.backward + engine.step every micro-batch",
+    "pipeline": "torch.distributed.pipelining ScheduleGPipe, 2 stages, clip over all-reduced squared norms",
+}
