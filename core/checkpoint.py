@@ -43,9 +43,10 @@ import os
 import re
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ LATEST = "latest"
 #: ``step-00000010`` or, for a re-save of that step, ``step-00000010.1``.
 _NAME = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
 
-__all__ = ["Checkpointer", "Committed", "CheckpointError", "CorruptCheckpointError", "step_dir_name"]
+__all__ = ["CheckpointError", "Checkpointer", "Committed", "CorruptCheckpointError", "step_dir_name"]
 
 
 def step_dir_name(step: int) -> str:
@@ -94,8 +95,9 @@ class Committed:
 class Checkpointer:
     """Writes, finds, verifies and prunes the checkpoints under one root directory."""
 
-    def __init__(self, root: str | os.PathLike[str], keep_last_n: int | None = None,
-                 storage: LocalStorage | None = None) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], keep_last_n: int | None = None, storage: LocalStorage | None = None
+    ) -> None:
         if storage is None:
             # A URL picks its backend (s3:// -> object storage); an unknown scheme is refused here.
             self.root, self.storage = open_storage(root)
@@ -192,7 +194,8 @@ class Checkpointer:
             self.storage.remove_file(probe)
         except OSError as exc:
             raise ConfigurationError(
-                "checkpoint_dir", f"{self.root} cannot be written ({type(exc).__name__}: {exc})",
+                "checkpoint_dir",
+                f"{self.root} cannot be written ({type(exc).__name__}: {exc})",
                 "choose a directory this process can create and write",
             ) from exc
         if ckpt_path is None:
@@ -200,7 +203,8 @@ class Checkpointer:
         readable = [c for c in self.committed() if c.manifest is not None]
         if str(ckpt_path) == "last" and not readable:
             raise ConfigurationError(
-                "ckpt_path", f"'last' but {self.root} holds no committed checkpoint",
+                "ckpt_path",
+                f"'last' but {self.root} holds no committed checkpoint",
                 "use ckpt_path='auto' (`--resume auto`), which starts fresh when there is none",
             )
         if str(ckpt_path) in ("last", "auto"):
@@ -255,8 +259,9 @@ class Checkpointer:
                 if rank() == 0:
                     self._clean_partials()
             return Committed(path, manifest)
+        reasons = "; ".join(failures) or "all manifests unreadable"
         raise CheckpointError(
-            f"no committed checkpoint under {self.root} verifies ({'; '.join(failures) or 'all manifests unreadable'}); "
+            f"no committed checkpoint under {self.root} verifies ({reasons}); "
             "inspect them with `unison checkpoint verify`, move them away to start fresh"
         )
 
@@ -279,8 +284,14 @@ class Checkpointer:
             commit_no = max((c.manifest.commit for c in entries if c.manifest), default=0) + 1
             self.run_id = self.run_id or uuid.uuid4().hex[:16]
             manifest = Manifest(
-                unison_version=_unison_version(), torch_version=torch.__version__, run=self.run_id, commit=commit_no,
-                step=step, created=utc_now(), files=files, **description,
+                unison_version=_unison_version(),
+                torch_version=torch.__version__,
+                run=self.run_id,
+                commit=commit_no,
+                step=step,
+                created=utc_now(),
+                files=files,
+                **description,
             )
             self.storage.write_text(partial / MANIFEST, manifest.to_json())
             final = self._free_name(step)
@@ -407,7 +418,8 @@ def resume_point(ckpt_path: str | os.PathLike[str], storage: LocalStorage | None
     if not storage.exists(path / MANIFEST):
         what = "does not exist" if not storage.exists(path) else f"is not a committed unison checkpoint (no {MANIFEST})"
         raise ConfigurationError(
-            "ckpt_path", f"{path} {what}",
+            "ckpt_path",
+            f"{path} {what}",
             "pass a committed step-NNNNNNNN directory (see `unison checkpoint inspect DIR`), or 'auto'",
         )
     try:
@@ -420,7 +432,8 @@ def check_resume_step(resume_step: int | None, max_steps: int | None) -> None:
     """A run resumed at ``resume_step`` must have steps left (``max_steps`` at or beyond it)."""
     if resume_step is not None and max_steps is not None and resume_step > max_steps:
         raise ConfigurationError(
-            "max_steps", f"the checkpoint resumes at step {resume_step}, beyond max_steps={max_steps}",
+            "max_steps",
+            f"the checkpoint resumes at step {resume_step}, beyond max_steps={max_steps}",
             f"set max_steps to at least {resume_step}, or start without ckpt_path",
         )
 
@@ -440,4 +453,3 @@ def _unison_version() -> str:
     import unison
 
     return unison.__version__
-

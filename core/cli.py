@@ -92,11 +92,15 @@ def describe(name: str) -> None:
     console.print(f"gradient accumulation: owned by [bold]{ga['owner']}[/]{sync} – {escape(ga['mechanism'])}")
     console.print(f"replicas start equal: made so by the [bold]{d['replica_init']}[/]")
     forms = [f for f in ("loss_fn", "training_step") if f not in d["refuses"]]
-    console.print(f"batch forms accepted: {', '.join(forms) or 'none'}"
-                  + "".join(f"; {f} refused" for f in ("loss_fn", "training_step") if f in d["refuses"]))
+    console.print(
+        f"batch forms accepted: {', '.join(forms) or 'none'}"
+        + "".join(f"; {f} refused" for f in ("loss_fn", "training_step") if f in d["refuses"])
+    )
     ws = d["world_sizes"]
     if ws["minimum"] > 1 or ws["multiple_of"] > 1:
-        console.print(f"world sizes: at least {ws['minimum']}, multiples of {ws['multiple_of']} – {escape(ws['reason'])}")
+        console.print(
+            f"world sizes: at least {ws['minimum']}, multiples of {ws['multiple_of']} – {escape(ws['reason'])}"
+        )
     table = Table(title="precision")
     for col in ("precision", "applied by", "detail"):
         table.add_column(col)
@@ -153,20 +157,40 @@ def run(nproc: int | None, cluster: str | None, args: tuple[str, ...]) -> None:
 @click.option("--strategy", default=None, help="Override [trainer] strategy.")
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP)
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Override [trainer] max_steps.")
-@click.option("--resume", default=None, metavar="auto|PATH",
-              help="Resume: 'auto' = the newest committed checkpoint in checkpoint_dir, or a fresh start if none; "
-                   "or a checkpoint directory.")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Restart all workers this many times when one fails (needs --resume auto).")
+@click.option(
+    "--resume",
+    default=None,
+    metavar="auto|PATH",
+    help="Resume: 'auto' = the newest committed checkpoint in checkpoint_dir, or a fresh start if none; "
+    "or a checkpoint directory.",
+)
+@click.option(
+    "--max-restarts",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Restart all workers this many times when one fails (needs --resume auto).",
+)
 @click.option("--nnodes", default=None, metavar="N|MIN:MAX", help="Nodes in the job (torchrun --nnodes).")
 @click.option("--node-rank", type=click.IntRange(min=0), default=None, help="This node's rank (torchrun --node-rank).")
 @click.option("--rdzv-backend", default=None, metavar="NAME", help="Rendezvous backend, e.g. c10d.")
 @click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="Rendezvous endpoint every node reaches.")
 @click.option("--rdzv-id", default=None, metavar="ID", help="Job id shared by the nodes.")
 @click.option("--cluster", default=None, metavar="NAME", help=_CLUSTER_HELP)
-def train(config: str, strategy: str | None, nproc: int | None, max_steps: int | None, resume: str | None,
-          max_restarts: int, nnodes: str | None, node_rank: int | None, rdzv_backend: str | None,
-          rdzv_endpoint: str | None, rdzv_id: str | None, cluster: str | None) -> None:
+def train(
+    config: str,
+    strategy: str | None,
+    nproc: int | None,
+    max_steps: int | None,
+    resume: str | None,
+    max_restarts: int,
+    nnodes: str | None,
+    node_rank: int | None,
+    rdzv_backend: str | None,
+    rdzv_endpoint: str | None,
+    rdzv_id: str | None,
+    cluster: str | None,
+) -> None:
     """Train from a TOML or YAML CONFIG (see unison.config for the layout).
 
     With ``--nproc`` above 1, multi-node options, or under SLURM (srun) or a
@@ -185,8 +209,13 @@ def train(config: str, strategy: str | None, nproc: int | None, max_steps: int |
     if max_steps is not None:
         overrides["max_steps"] = max_steps
     run_config, base = load_config(config, overrides)
-    given = {"--nnodes": nnodes, "--node-rank": node_rank, "--rdzv-backend": rdzv_backend,
-             "--rdzv-endpoint": rdzv_endpoint, "--rdzv-id": rdzv_id}
+    given = {
+        "--nnodes": nnodes,
+        "--node-rank": node_rank,
+        "--rdzv-backend": rdzv_backend,
+        "--rdzv-endpoint": rdzv_endpoint,
+        "--rdzv-id": rdzv_id,
+    }
     node_args = [f"{flag}={value}" for flag, value in given.items() if value is not None]
     if "LOCAL_RANK" in os.environ:  # a worker torchrun started: train
         _train_here(config, overrides, resume)
@@ -203,11 +232,16 @@ def train(config: str, strategy: str | None, nproc: int | None, max_steps: int |
         resolve_run(run_config, base)  # every factory, file and keyword
         _config_plugins(run_config, base, pm)  # loggers and callbacks: constructing them checks their options
         # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
-        argv = ["train", config, *(["--strategy", strategy] if strategy else []),
-                *(["--max-steps", str(max_steps)] if max_steps is not None else []),
-                *(["--resume", resume] if resume is not None else [])]
-        sys.exit(run_script("unison.cli", nproc, argv, ["--module", f"--max-restarts={max_restarts}", *node_args],
-                            cluster))
+        argv = [
+            "train",
+            config,
+            *(["--strategy", strategy] if strategy else []),
+            *(["--max-steps", str(max_steps)] if max_steps is not None else []),
+            *(["--resume", resume] if resume is not None else []),
+        ]
+        sys.exit(
+            run_script("unison.cli", nproc, argv, ["--module", f"--max-restarts={max_restarts}", *node_args], cluster)
+        )
     _train_here(config, overrides, resume)
 
 
@@ -222,7 +256,8 @@ def _train_here(config_path: str, overrides: dict[str, Any], resume: str | None 
     train_ds, val_ds = run["data"](**config.data.kwargs)
     progress = trainer.fit(
         # A factory: the trainer seeds before building, so reruns and ranks start alike.
-        run["model"], train_ds,
+        run["model"],
+        train_ds,
         **run["form"],
         optimizer=run["optimizer"],
         lr_scheduler=run["lr_scheduler"],

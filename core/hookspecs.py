@@ -62,6 +62,8 @@ from typing import TYPE_CHECKING, Any
 from unison.plugin import hookspec
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from unison.cluster import ClusterEnvironment
     from unison.registry import PrecisionSpec, StrategySpec
     from unison.trainer import StepOutput, Trainer
@@ -226,13 +228,16 @@ def unison_on_after_backward(trainer: Trainer, step: int) -> None:
 
 
 @hookspec
-def unison_on_before_optimizer_step(trainer: Trainer, step: int, grad_norm: float) -> None:
+def unison_on_before_optimizer_step(trainer: Trainer, step: int, grad_norm: torch.Tensor) -> None:
     """Once per optimizer step, after clipping, before the optimizer update.
 
     Called by :meth:`Trainer.fit` on every rank, exactly once per optimizer
     step on every backend. ``grad_norm`` is the *global* L2 norm of all
     gradients across all shards and stages, before clipping, after unscaling
     (``inf``/``nan`` when fp16 overflowed; the step will then be skipped).
+    It is a 0-dim tensor on the strategy's device, equal on every rank:
+    ``float(grad_norm)`` reads it, which is a device-to-host synchronisation,
+    so a plugin that runs every step should read it only when it needs it.
     """
 
 

@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 import os
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
-from unison.batch import tensor_leaves
 from unison.checkpoint import Checkpointer, check_resume_step, resume_point
 from unison.data import TrainData, check_divisible, is_map_style, resolve_source, validation_stream
 from unison.env import DistEnv, device_for, resolve_accelerator, world_from_env
@@ -72,8 +70,16 @@ class StepOutput:
     (``output["loss"]``; ``"lr"`` is the first group's learning rate).
     """
 
-    def __init__(self, step: int, micro_losses: torch.Tensor, grad_norm: torch.Tensor, lrs: list[float],
-                 skipped: bool, samples: int, tokens: torch.Tensor | None) -> None:
+    def __init__(
+        self,
+        step: int,
+        micro_losses: torch.Tensor,
+        grad_norm: torch.Tensor,
+        lrs: list[float],
+        skipped: bool,
+        samples: int,
+        tokens: torch.Tensor | None,
+    ) -> None:
         self.step = step
         #: Every micro-batch's loss, averaged over data-parallel replicas (device tensor).
         self.micro_loss_tensor = micro_losses
@@ -151,13 +157,18 @@ class Progress:
     """The last steps' :class:`StepOutput` values (bounded; not saved in checkpoints)."""
 
     def state_dict(self) -> dict[str, int]:
-        return {"global_step": self.global_step, "optimizer_steps": self.optimizer_steps,
-                "scheduler_steps": self.scheduler_steps, "skipped_steps": self.skipped_steps}
+        return {
+            "global_step": self.global_step,
+            "optimizer_steps": self.optimizer_steps,
+            "scheduler_steps": self.scheduler_steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> "Progress":
-        return cls(**{k: int(state.get(k, 0)) for k in ("global_step", "optimizer_steps", "scheduler_steps",
-                                                        "skipped_steps")})
+    def from_state(cls, state: Mapping[str, Any]) -> Progress:
+        return cls(
+            **{k: int(state.get(k, 0)) for k in ("global_step", "optimizer_steps", "scheduler_steps", "skipped_steps")}
+        )
 
 
 # --------------------------------------------------------------------------- #
@@ -202,7 +213,8 @@ def build_strategy(settings: TrainerSettings, pm: PluginManager, world_size: int
     refused_world = ownership.world_sizes.refusal(world_size)
     if refused_world is not None:
         raise DeclaredRefusal(
-            "world size", f"strategy {settings.strategy!r} cannot run here: {refused_world}",
+            "world size",
+            f"strategy {settings.strategy!r} cannot run here: {refused_world}",
             "launch a world size the strategy declares (see `unison describe " + settings.strategy + "`)",
             feature="world_size",
         )
@@ -212,13 +224,17 @@ def build_strategy(settings: TrainerSettings, pm: PluginManager, world_size: int
         _refuse(strategy, Feature.GRADIENT_CLIPPING, "grad_clip_norm", "set grad_clip_norm=None")
     resolve_accelerator(settings.accelerator)
     strategy.validate(settings, world_size)
-    check_divisible(settings.global_batch_size, settings.accumulate_grad_batches, strategy.data_parallel_size(world_size))
+    check_divisible(
+        settings.global_batch_size, settings.accumulate_grad_batches, strategy.data_parallel_size(world_size)
+    )
     return strategy
 
 
 def _check_callable(value: Any, option: str, shape: str, example: str, arity: int) -> None:
     if not callable(value):
-        raise ConfigurationError(option, f"expected a callable {shape}, got {type(value).__name__}", f"pass e.g. {example}")
+        raise ConfigurationError(
+            option, f"expected a callable {shape}, got {type(value).__name__}", f"pass e.g. {example}"
+        )
     try:
         signature = inspect.signature(value)
     except (TypeError, ValueError):  # a builtin without a signature: nothing to check
@@ -226,7 +242,9 @@ def _check_callable(value: Any, option: str, shape: str, example: str, arity: in
     try:
         signature.bind(*([object()] * arity))
     except TypeError as exc:
-        raise ConfigurationError(option, f"{option}{signature} cannot be called as {shape} ({exc})", f"pass e.g. {example}") from None
+        raise ConfigurationError(
+            option, f"{option}{signature} cannot be called as {shape} ({exc})", f"pass e.g. {example}"
+        ) from None
 
 
 def _check_loss_fn(loss_fn: Any) -> None:
@@ -237,7 +255,9 @@ def _check_loss_fn(loss_fn: Any) -> None:
     could never run there, so it is refused for every strategy alike.
     """
     _check_callable(
-        loss_fn, "loss_fn", "loss_fn(outputs, targets)",
+        loss_fn,
+        "loss_fn",
+        "loss_fn(outputs, targets)",
         "torch.nn.functional.cross_entropy; compute anything that needs the inputs inside the model's forward, or "
         "use training_step=lambda model, batch: ... (a pipeline's last stage has only its outputs and the targets)",
         2,
@@ -250,7 +270,8 @@ def _build_model(model: Any, seed: int) -> torch.nn.Module:
         return model
     if not callable(model):
         raise ConfigurationError(
-            "model", f"expected an nn.Module or a zero-argument factory returning one, got {type(model).__name__}",
+            "model",
+            f"expected an nn.Module or a zero-argument factory returning one, got {type(model).__name__}",
             "pass the model, or `lambda: MyModel(config)`",
         )
     # Seed first: reruns and every rank build identical weights.
@@ -258,7 +279,8 @@ def _build_model(model: Any, seed: int) -> torch.nn.Module:
     built = model()
     if not isinstance(built, torch.nn.Module):
         raise ConfigurationError(
-            "model", f"the model factory returned {type(built).__name__}, not a torch.nn.Module",
+            "model",
+            f"the model factory returned {type(built).__name__}, not a torch.nn.Module",
             "return the constructed module from the factory",
         )
     return built
@@ -272,8 +294,13 @@ def _probe_optimizer(optimizer: Any, lr_scheduler: Any, model: torch.nn.Module) 
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = _checked_optimizer(optimizer, trainable)
     if lr_scheduler is not None:
-        _check_callable(lr_scheduler, "lr_scheduler", "lr_scheduler(optimizer)",
-                        "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)", 1)
+        _check_callable(
+            lr_scheduler,
+            "lr_scheduler",
+            "lr_scheduler(optimizer)",
+            "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)",
+            1,
+        )
         _check_scheduler(lr_scheduler(opt))
     return opt
 
@@ -284,7 +311,8 @@ def _checked_optimizer(factory: OptimizerArg, params: Any) -> torch.optim.Optimi
     opt = factory(params)
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigurationError(
-            "optimizer", f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer",
+            "optimizer",
+            f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer",
             "return e.g. torch.optim.AdamW(params, lr=1e-3) built on the params argument",
         )
     given = {id(p) for p in params if isinstance(p, torch.Tensor) and p.requires_grad}
@@ -306,12 +334,15 @@ def _checked_optimizer(factory: OptimizerArg, params: Any) -> torch.optim.Optimi
 def _check_scheduler(scheduler: Any) -> None:
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ConfigurationError(
-            "lr_scheduler", "ReduceLROnPlateau steps on a monitored metric, but the trainer steps the scheduler "
-            "once per optimizer step without one", "use a step-based scheduler (e.g. CosineAnnealingLR, LambdaLR)",
+            "lr_scheduler",
+            "ReduceLROnPlateau steps on a monitored metric, but the trainer steps the scheduler "
+            "once per optimizer step without one",
+            "use a step-based scheduler (e.g. CosineAnnealingLR, LambdaLR)",
         )
     if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
         raise ConfigurationError(
-            "lr_scheduler", f"the scheduler factory returned {type(scheduler).__name__}, not a torch LRScheduler",
+            "lr_scheduler",
+            f"the scheduler factory returned {type(scheduler).__name__}, not a torch LRScheduler",
             "return e.g. torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100) built on its argument",
         )
 
@@ -383,7 +414,11 @@ class Trainer:
         self.settings = parse_settings(settings)
         if nonfinite not in ("raise", "skip", "continue"):
             raise ConfigurationError("nonfinite", f"unknown policy {nonfinite!r}", "use 'raise', 'skip' or 'continue'")
-        if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) or max_consecutive_skips < 1:
+        if (
+            isinstance(max_consecutive_skips, bool)
+            or not isinstance(max_consecutive_skips, int)
+            or max_consecutive_skips < 1
+        ):
             raise ConfigurationError("max_consecutive_skips", f"got {max_consecutive_skips!r}", "pass an int >= 1")
         self.nonfinite, self.max_consecutive_skips = nonfinite, max_consecutive_skips
         self.pm = plugin_manager or PluginManager()
@@ -535,35 +570,51 @@ class Trainer:
         # -- everything below until the process group is checked up front ---- #
         if (loss_fn is None) == (training_step is None):
             raise ConfigurationError(
-                "loss_fn/training_step", "pass exactly one of loss_fn and training_step",
+                "loss_fn/training_step",
+                "pass exactly one of loss_fn and training_step",
                 "loss_fn=... for (inputs, targets) batches, or training_step=lambda model, batch: ... for any batch",
             )
         if training_step is not None:
-            _check_callable(training_step, "training_step", "training_step(model, batch)",
-                            "lambda model, batch: model(**batch).loss", 2)
-            _refuse(self.strategy, Feature.TRAINING_STEP, "training_step",
-                    "use loss_fn=... with (inputs, targets) batches")
+            _check_callable(
+                training_step,
+                "training_step",
+                "training_step(model, batch)",
+                "lambda model, batch: model(**batch).loss",
+                2,
+            )
+            _refuse(
+                self.strategy, Feature.TRAINING_STEP, "training_step", "use loss_fn=... with (inputs, targets) batches"
+            )
         else:
             _check_loss_fn(loss_fn)
             _refuse(self.strategy, Feature.LOSS_FN, "loss_fn", "use training_step=lambda model, batch: ...")
         if ckpt_path is not None:
             if str(ckpt_path) in ("last", "auto") and self.checkpointer is None:
-                raise ConfigurationError("ckpt_path", f"{str(ckpt_path)!r} needs a checkpoint_dir",
-                                         "set checkpoint_dir or pass a path")
+                raise ConfigurationError(
+                    "ckpt_path", f"{str(ckpt_path)!r} needs a checkpoint_dir", "set checkpoint_dir or pass a path"
+                )
             _refuse(self.strategy, Feature.RESUME, "ckpt_path", "start without ckpt_path")
         model = _build_model(model, s.seed)
         if not any(p.requires_grad for p in model.parameters()):
-            raise ConfigurationError("model", f"{type(model).__name__} has no trainable parameters",
-                                     "pass a model with parameters that require grad")
+            raise ConfigurationError(
+                "model",
+                f"{type(model).__name__} has no trainable parameters",
+                "pass a model with parameters that require grad",
+            )
         # Model features (tied weights, buffers, ...) are refused by the
         # strategy's own check, which may be narrower than the feature (a
         # pipeline refuses weights tied *across stages*); the declaration says so.
         self.strategy.validate_model(model, s)
         self.strategy.validate_optimizer(_probe_optimizer(optimizer, lr_scheduler, model), s)
         dp_size = self.strategy.data_parallel_size(world_size)
-        data = TrainData(train_dataset, collate_fn, s, data_parallel_size=dp_size,
-                         data_parallel_rank=self.strategy.data_parallel_rank(rank, world_size),
-                         token_counter=count_tokens)
+        data = TrainData(
+            train_dataset,
+            collate_fn,
+            s,
+            data_parallel_size=dp_size,
+            data_parallel_rank=self.strategy.data_parallel_rank(rank, world_size),
+            token_counter=count_tokens,
+        )
         self._check_first_batch(data.first_micro_batch(), loss_fn is not None)
         val = self._resolve_validation(val_dataset, collate_fn) if val_dataset is not None else None
         if self.checkpointer is not None:
@@ -599,8 +650,12 @@ class Trainer:
 
         batch_size(batch, where="batch")  # leaves must agree on the batch dimension
         if loss_fn_form and not (isinstance(batch, (list, tuple)) and len(batch) == 2):
-            shape = (f"a {type(batch).__name__} with keys {list(batch)[:6]}" if isinstance(batch, Mapping)
-                     else f"a {type(batch).__name__}" + (f" of {len(batch)} items" if isinstance(batch, (list, tuple)) else ""))
+            shape = (
+                f"a {type(batch).__name__} with keys {list(batch)[:6]}"
+                if isinstance(batch, Mapping)
+                else f"a {type(batch).__name__}"
+                + (f" of {len(batch)} items" if isinstance(batch, (list, tuple)) else "")
+            )
             raise ConfigurationError(
                 "loss_fn",
                 f"the loss_fn form needs each batch to be (inputs, targets), but the collated batch is {shape}",
@@ -612,12 +667,19 @@ class Trainer:
         source, collate, options = resolve_source(val_dataset, collate_fn, self.settings, what="val_dataset")
         empty = len(source) == 0 if is_map_style(source) else next(iter(source), None) is None
         if empty:
-            raise ConfigurationError("val_dataset", "the validation dataset is empty",
-                                     "pass a non-empty val_dataset, or none")
+            raise ConfigurationError(
+                "val_dataset", "the validation dataset is empty", "pass a non-empty val_dataset, or none"
+            )
         return source, collate, options
 
-    def _fit(self, model: torch.nn.Module, optimizer: OptimizerArg, lr_scheduler: SchedulerArg | None,
-             val: tuple[Any, Any, Any] | None, ckpt_path: Any) -> None:
+    def _fit(
+        self,
+        model: torch.nn.Module,
+        optimizer: OptimizerArg,
+        lr_scheduler: SchedulerArg | None,
+        val: tuple[Any, Any, Any] | None,
+        ckpt_path: Any,
+    ) -> None:
         s, env, hook, strategy = self.settings, self.env, self.pm, self.strategy
         assert env is not None and self.data is not None
         seed_everything(s.seed)
@@ -768,8 +830,11 @@ class Trainer:
             (f"micro-batch {m} on rank {r}" for m in range(len(flags)) for r, f in enumerate(per_rank) if not f[m]),
             None,
         )
-        what = (f"the loss was non-finite first at {where}" if where is not None
-                else f"the losses were finite but the global grad norm is {float(grad_norm)}")
+        what = (
+            f"the loss was non-finite first at {where}"
+            if where is not None
+            else f"the losses were finite but the global grad norm is {float(grad_norm)}"
+        )
         raise NonFiniteError(
             f"step {step}: {what}; no optimizer step or checkpoint was taken from it. Fix: check the data and the loss "
             "for NaN/inf (or pass nonfinite='skip' to skip such steps, or 'continue' to train on)"
@@ -820,7 +885,8 @@ class Trainer:
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ConfigurationError(
-                name, f"{name} returned {got}; the trainer needs the micro-batch's mean loss as a scalar tensor",
+                name,
+                f"{name} returned {got}; the trainer needs the micro-batch's mean loss as a scalar tensor",
                 "return a 0-dim tensor that requires grad (e.g. reduce with .mean(); do not call .item())",
             )
         return loss
@@ -842,9 +908,17 @@ class Trainer:
         total = torch.zeros(2, dtype=torch.float64, device=self.env.device)
         per_forward = self.settings.val_batch_size * self.data.replicas
         num_batches = -(-len(source) // per_forward) if is_map_style(source) else None  # for progress displays
-        for i, (batch, weight) in enumerate(validation_stream(source, collate, self.settings.val_batch_size,
-                                                              self.data.replicas, self.data.rank, options,
-                                                              self.settings.seed)):
+        for i, (batch, weight) in enumerate(
+            validation_stream(
+                source,
+                collate,
+                self.settings.val_batch_size,
+                self.data.replicas,
+                self.data.rank,
+                options,
+                self.settings.seed,
+            )
+        ):
             batch = self.strategy.to_device(batch)
             with self.precision.forward_context():
                 if self.training_step is not None:
@@ -852,8 +926,9 @@ class Trainer:
                 else:
                     inputs, targets = batch
                     loss = self.strategy.eval_loss(self.precision.convert_input(inputs), targets, self.loss_fn)
-            total += torch.stack([loss.detach().double() * weight, torch.tensor(float(weight), dtype=torch.float64,
-                                                                                 device=total.device)])
+            total += torch.stack(
+                [loss.detach().double() * weight, torch.tensor(float(weight), dtype=torch.float64, device=total.device)]
+            )
             self.pm.unison_validation_progress(trainer=self, step=step, batch_idx=i, num_batches=num_batches)
         model.train(was_training)
         total = self.strategy.reduce_sum(total)
@@ -882,8 +957,11 @@ class Trainer:
 
     def _log_step(self, output: StepOutput) -> None:
         metrics: dict[str, Any] = {
-            "train/loss": output.loss, "train/grad_norm": output.grad_norm, "train/lr": output.lrs[0],
-            "train/skipped": float(output.skipped), "train/skipped_steps": float(self.progress.skipped_steps),
+            "train/loss": output.loss,
+            "train/grad_norm": output.grad_norm,
+            "train/lr": output.lrs[0],
+            "train/skipped": float(output.skipped),
+            "train/skipped_steps": float(self.progress.skipped_steps),
         }
         if len(output.lrs) > 1:
             metrics.update({f"train/lr-group{i}": lr for i, lr in enumerate(output.lrs)})
