@@ -116,7 +116,11 @@ class LoggingConfig(_Strict):
     """Metric loggers; each fit writes into a new ``dir/version_N`` (see ``unison.plugins.loggers``)."""
 
     dir: str | None = None
-    """Run directory root, relative to the working directory; each fit gets ``dir/version_N``."""
+    """Run directory root, relative to the working directory, or an ``s3://bucket/prefix`` URL; each fit gets
+    ``dir/version_N``."""
+    upload_every_s: float = pydantic.Field(30.0, ge=0)
+    """With ``dir`` in object storage: upload the run's files at most this often while metrics are logged (and
+    always at the end of the fit)."""
     jsonl: bool = False
     """Write ``version_N/metrics.jsonl`` (one JSON object per logging call)."""
     csv: bool = False

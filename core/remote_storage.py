@@ -75,14 +75,16 @@ class RemotePath(type(Path())):  # type: ignore[misc]  # the concrete Path class
 class FsspecStorage(LocalStorage):
     """A checkpoint root in object storage; local paths (staging, caches) still go to the local file system."""
 
-    def __init__(self, scheme: str, storage_options: dict[str, Any]) -> None:
+    def __init__(self, scheme: str, storage_options: dict[str, Any], option: str = "checkpoint_dir") -> None:
+        #: The setting errors name (``checkpoint_dir``, ``logging.dir``).
+        self.option = option
         package = REMOTE_SCHEMES[scheme]
         try:
             __import__(package)
         except ImportError:
             raise ConfigurationError(
-                "checkpoint_dir",
-                f"{scheme}:// checkpoints need the {package} package, which is not installed",
+                option,
+                f"{scheme}:// locations need the {package} package, which is not installed",
                 f"pip install 'unison[{scheme}]' (or pip install {package})",
             ) from None
         import fsspec
@@ -131,15 +133,15 @@ class FsspecStorage(LocalStorage):
             self.fs.rm_file(probe)
         except PermissionError as exc:
             raise ConfigurationError(
-                "checkpoint_dir", f"the object store refused access to {url}: {_first_line(exc)}", fix_credentials
+                self.option, f"the object store refused access to {url}: {_first_line(exc)}", fix_credentials
             ) from None
         except FileNotFoundError:
             raise ConfigurationError(
-                "checkpoint_dir", f"the bucket {bucket!r} of {url} does not exist", "create it, or name another"
+                self.option, f"the bucket {bucket!r} of {url} does not exist", "create it, or name another"
             ) from None
         except Exception as exc:  # connection refused, DNS, TLS...: botocore's many error types
             raise ConfigurationError(
-                "checkpoint_dir",
+                self.option,
                 f"cannot use {url}: {type(exc).__name__}: {_first_line(exc)}",
                 "check AWS_ENDPOINT_URL (or the endpoint_url storage option) and the network; " + fix_credentials,
             ) from None
@@ -269,12 +271,17 @@ class FsspecStorage(LocalStorage):
         local = Path(tempfile.mkdtemp(prefix="unison-stage-"))
         try:
             yield local
-            names = LocalStorage.list_files(self, local)
-            if names:
-                # One call: s3fs uploads the files concurrently.
-                self.fs.put([str(local / n) for n in names], [f"{key}/{n}" for n in names])
+            self.upload(local, directory, LocalStorage.list_files(self, local))
         finally:
             shutil.rmtree(local, ignore_errors=True)
+
+    def upload(self, local: Path, path: Path, names: list[str]) -> None:
+        """Copy the files ``names`` (relative POSIX paths) of local directory ``local`` to ``path/name``."""
+        key = self._key(path)
+        assert key is not None, f"{path} is not in {self.scheme}:// storage"
+        if names:
+            # One call: s3fs uploads the files concurrently.
+            self.fs.put([str(local / n) for n in names], [f"{key}/{n}" for n in names])
 
     def localize(self, path: Path) -> Path:
         """Download every object under ``path`` (those already cached at the same ETag are kept); the local dir."""

@@ -170,9 +170,9 @@ def split_url(location: str | os.PathLike[str]) -> tuple[str, str] | None:
 
 
 def open_storage(
-    location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None
+    location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, option: str = "checkpoint_dir"
 ) -> tuple[Path, LocalStorage]:
-    """The root path and storage for a checkpoint location.
+    """The root path and storage for a checkpoint (or run directory) location.
 
     * a path or ``file://`` URL: that directory, :class:`LocalStorage`;
     * ``s3://bucket/prefix``: an S3 bucket through s3fs, configured the
@@ -181,6 +181,8 @@ def open_storage(
       variables) or by ``storage_options`` (s3fs's keyword arguments);
     * anything else: a :class:`ConfigurationError`. A URL is never taken as
       a local directory named after it.
+
+    ``option`` is the setting errors name (``checkpoint_dir``, ``logging.dir``).
     """
     url = split_url(location)
     if url is None:
@@ -190,11 +192,11 @@ def open_storage(
         return Path("/" + rest), LocalStorage()
     if scheme not in REMOTE_SCHEMES:
         raise ConfigurationError(
-            "checkpoint_dir",
+            option,
             f"{str(location)!r} uses the URL scheme {scheme!r}, which unison does not store to",
             "give a local path, a file:// URL or an s3://bucket/prefix URL",
         )
     from unison.remote_storage import FsspecStorage
 
-    storage = FsspecStorage(scheme, storage_options or {})
+    storage = FsspecStorage(scheme, storage_options or {}, option=option)
     return storage.root_path(rest), storage

@@ -45,6 +45,7 @@ differs per backend, it reads the declaration.
 from __future__ import annotations
 
 import abc
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -293,7 +294,7 @@ class Strategy(abc.ABC):
         # Free the gradients. apex's fused optimizers (FusedAdam, FusedLAMB)
         # override zero_grad() without the set_to_none argument and free them
         # themselves (set_grad_none=True, their default).
-        if "set_to_none" in inspect.signature(zero_grad).parameters:
+        if _takes_set_to_none(type(self.optimizer)):
             zero_grad(set_to_none=True)
         else:
             zero_grad()
@@ -388,3 +389,9 @@ __all__ = [
     "required_interface",
     "resolve_accelerator",
 ]
+
+
+@functools.cache
+def _takes_set_to_none(optimizer_type: type) -> bool:
+    """Whether ``optimizer_type.zero_grad`` accepts ``set_to_none`` (read once per class, not per step)."""
+    return "set_to_none" in inspect.signature(optimizer_type.zero_grad).parameters

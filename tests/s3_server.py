@@ -59,6 +59,11 @@ class S3Server:
             key=KEY, secret=SECRET, endpoint_url=self.endpoint, skip_instance_cache=True, use_listings_cache=False
         )
 
+    def objects(self, prefix: str) -> list[str]:
+        """Keys of the test bucket under ``prefix``, relative to it."""
+        base = f"{BUCKET}/{prefix}"
+        return sorted(k[len(base) + 1 :] for k in self.fs().find(base))
+
     def stop(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)

@@ -258,34 +258,29 @@ def test_a_missing_rank_fails_the_start_within_the_rendezvous_timeout(tmp_path):
     assert elapsed < 60, elapsed
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_ctrl_c_during_a_save_is_an_interrupt_and_the_previous_checkpoint_verifies(tmp_path):
-    """SIGINT while DCP writes: the process ends as interrupted (the shell's 130), not as a failed save."""
-    ckpt, out = tmp_path / "ckpt", tmp_path / "state.pt"
-    args = [
-        sys.executable,
-        SCRIPT,
-        "--strategy",
-        "single",
-        "--steps",
-        "3",
-        "--hidden",
-        "2048",
-        "--layers",
-        "3",
-        "--ckpt",
-        str(ckpt),
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    writing = ckpt / ".step-00000002.partial" / "state"
-    deadline = time.monotonic() + 240
-    while not writing.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert writing.parent.exists(), "the job was not interrupted while saving"
+    """SIGINT while DCP writes: the process ends as interrupted (the shell's 130), not as a failed save.
+
+    The signal is sent once the save's ``state`` directory appears; on a loaded
+    machine the save can still finish before the signal lands. That run proves
+    nothing, so it is repeated (at most three times); every other outcome is judged.
+    """
+    for attempt in range(3):
+        ckpt, out = tmp_path / f"ckpt{attempt}", tmp_path / f"state{attempt}.pt"
+        args = [sys.executable, SCRIPT, "--strategy", "single", "--steps", "3", "--hidden", "2048", "--layers", "3"]
+        args += ["--ckpt", str(ckpt), "--out", str(out)]
+        proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        writing = ckpt / ".step-00000002.partial" / "state"
+        deadline = time.monotonic() + 100
+        while not writing.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert proc.poll() is None, f"the job ended before its second save: {proc.returncode}\n{proc.stderr.read()}"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+        if writing.parent.exists() or Checkpointer(ckpt).latest() != ckpt / "step-00000002":
+            break  # the signal landed during the save (or something went wrong: judged below)
+    assert writing.parent.exists(), f"the job was not interrupted while saving (exit {proc.returncode})\n{stderr}"
     # Python ends an uncaught KeyboardInterrupt by SIGINT itself: the shell reports 130.
     assert proc.returncode == -signal.SIGINT, stderr[-3000:]
     assert "KeyboardInterrupt" in stderr and "CheckpointException" not in stderr

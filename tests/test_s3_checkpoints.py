@@ -1,4 +1,4 @@
-"""Checkpoints in object storage, against a real S3 server (SeaweedFS on loopback, started here).
+"""Checkpoints in object storage, against a real S3 server (SeaweedFS on loopback, started by conftest.py).
 
 Save, automatic resume, verification, export and retention through
 ``checkpoint_dir="s3://..."`` for single, ddp, fsdp and zero2 end bitwise equal
@@ -29,28 +29,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 
-@pytest.fixture(scope="session")
-def s3():
-    server = s3_server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(autouse=True)
-def aws_env(s3, monkeypatch):
-    """The standard AWS variables pointing at the test server (and nothing from the host's own AWS setup)."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    for name, value in s3.env().items():
-        monkeypatch.setenv(name, value)
+pytestmark = pytest.mark.usefixtures("aws_env")  # conftest.py: the AWS variables point at the test server
 
 
 def objects(s3, prefix: str) -> list[str]:
-    """Keys under ``prefix``, relative to it."""
-    base = f"{s3_server.BUCKET}/{prefix}"
-    return sorted(k[len(base) + 1 :] for k in s3.fs().find(base))
+    return s3.objects(prefix)
 
 
 def committed_steps(keys: list[str]) -> list[str]:
@@ -220,15 +203,6 @@ def test_s3_without_s3fs_is_refused_naming_the_extra(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_run_directory_url_is_refused_not_made_a_local_directory(tmp_path, monkeypatch):
-    from unison.plugins.loggers import CSVLogger
-
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(unison.ConfigurationError, match=r"logging.dir.*s3://.*local path"):
-        CSVLogger(f"s3://{s3_server.BUCKET}/runs")
-    assert list(tmp_path.iterdir()) == []
-
-
 def two_nodes_train(tmp_path: Path, config: Path, extra: list[str]) -> list[str]:
     """``unison train`` on two torchrun agents on 127.0.0.1 acting as two nodes, each in its own directory."""
     import socket
@@ -284,6 +258,8 @@ def test_unison_train_on_two_nodes_checkpoints_to_the_bucket_and_resumes(s3, tmp
     text = text.replace('strategy = "single"', 'strategy = "ddp"').replace("max_bytes = 400000", "max_bytes = 20000")
     text = text.replace("checkpoint_every_n_steps = 75", "checkpoint_every_n_steps = 2")
     text = text.replace("val_every_n_steps = 75", "val_every_n_steps = 100")
+    text = text.replace("log_every_n_steps = 10", "log_every_n_steps = 1")
+    text = text.replace('dir = "runs/tinylm"', f'dir = "s3://{s3_server.BUCKET}/two-nodes-runs"')
     config = tmp_path / "job.toml"
     config.write_text(text)
     two_nodes_train(tmp_path, config, ["--max-steps", "4"])
@@ -301,6 +277,17 @@ def test_unison_train_on_two_nodes_checkpoints_to_the_bucket_and_resumes(s3, tmp
     assert committed_steps(keys) == ["step-00000004", "step-00000006"], keys  # keep_last_n_checkpoints = 2
     resumed = json.loads(fs.cat_file(f"{s3_server.BUCKET}/two-nodes/step-00000006/manifest.json"))
     assert resumed["run"] == manifest["run"]  # the same run, continued
+    # The metrics of both runs (global rank 0's, on node 0) are in the bucket, a version each.
+    runs = objects(s3, "two-nodes-runs")
+    for version in ("version_0", "version_1"):
+        assert {f"{version}/run.json", f"{version}/metrics.jsonl", f"{version}/metrics.csv"} <= set(runs), runs
+        assert any(k.startswith(f"{version}/tensorboard/") for k in runs), runs
+    assert {k.split("/")[0] for k in runs} == {"version_0", "version_1"}, runs
+    steps = [
+        json.loads(line)["step"]
+        for line in fs.cat_file(f"{s3_server.BUCKET}/two-nodes-runs/version_1/metrics.jsonl").decode().splitlines()
+    ]
+    assert sorted(set(steps)) == [5, 6], steps  # the resumed run logs its own steps
 
 
 @pytest.mark.timeout(60)

@@ -5,7 +5,7 @@ them as ``Trainer(loggers=[...])``, or enable them in a config file's
 ``[logging]`` table (this module is the ``loggers`` entry point that reads it)::
 
     [logging]
-    dir = "runs/tinylm"          # each fit: runs/tinylm/version_N
+    dir = "runs/tinylm"          # each fit: runs/tinylm/version_N (or "s3://bucket/runs/tinylm")
     jsonl = true                 # version_N/metrics.jsonl
     csv = true                   # version_N/metrics.csv
     tensorboard = true           # version_N/tensorboard/
@@ -53,7 +53,11 @@ __all__ = [
 def loggers_from_config(config: Any) -> list[Any]:
     """The loggers a ``unison train`` config's ``[logging]`` table enables, sharing one run directory."""
     logging = config.logging
-    run = RunDirectory(logging.dir, config=config.model_dump(mode="json")) if logging.dir is not None else None
+    run = (
+        RunDirectory(logging.dir, config=config.model_dump(mode="json"), upload_every_s=logging.upload_every_s)
+        if logging.dir is not None
+        else None
+    )
     loggers: list[Any] = []
     if logging.mlflow is not None:
         loggers.append(MLflowLogger(run, **logging.mlflow.model_dump()))

@@ -86,6 +86,8 @@ class RunLogger:
                 self._warned = True
             return
         self._log(step, metrics)
+        if self.run is not None:
+            self.run.upload()  # object storage: at most every upload_every_s seconds; locally nothing
 
     @hookimpl(trylast=True)
     def unison_on_fit_end(self, trainer: Any) -> None:

@@ -10,6 +10,21 @@ Every logger of a run shares one :class:`RunDirectory` (loggers given the same
 root string share it too), so ``metrics.jsonl``, ``metrics.csv`` and the
 TensorBoard events of one fit land side by side in the same version.
 Directories are made on global rank 0 only, at ``unison_on_fit_start``.
+
+A root in object storage (``s3://bucket/prefix``, configured like checkpoint
+locations: the standard AWS variables) is checked (list the bucket, write and
+delete a probe object) when the :class:`RunDirectory` is made, before
+training, and every problem is a :class:`~unison.ConfigurationError` naming
+``logging.dir``. The loggers then write into a local staging copy of
+``version_N`` (loggers append to open files; objects cannot be appended to),
+and the run's files are uploaded to ``ROOT/version_N/``: ``run.json`` at
+once (which claims the version number), the rest at most every
+``upload_every_s`` seconds when metrics are logged, and all of it when the
+fit ends or fails. A failed upload is a warning and is retried at the next
+one; after a failed final upload the local copy is kept and its path given.
+A process killed outright loses what was logged since the last upload.
+Version numbers in object storage are not reserved atomically: two runs
+started at the same moment under one URL root may take the same number.
 """
 
 from __future__ import annotations
@@ -20,7 +35,11 @@ import json
 import os
 import platform
 import re
+import shutil
 import sys
+import tempfile
+import time
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, ClassVar
@@ -28,7 +47,7 @@ from typing import Any, ClassVar
 import torch
 
 from unison.errors import ConfigurationError
-from unison.storage import split_url
+from unison.storage import LocalStorage, open_storage, split_url
 
 RUN_FILE = "run.json"
 _VERSION = re.compile(r"version_(\d+)")
@@ -59,32 +78,53 @@ class RunDirectory:
     ``run.json``), later ones return the same directory until every logger
     closed it. Use :meth:`get` (what loggers do with a plain path) to share one
     object per root within a process.
+
+    ``root`` is a local path, a ``file://`` URL or an ``s3://bucket/prefix``
+    URL (see the module docstring); ``storage_options`` are s3fs's keyword
+    arguments for the latter, ``upload_every_s`` how often metrics reach it.
     """
 
-    _shared: ClassVar[weakref.WeakValueDictionary[Path, RunDirectory]] = weakref.WeakValueDictionary()
+    _shared: ClassVar[weakref.WeakValueDictionary[str, RunDirectory]] = weakref.WeakValueDictionary()
 
-    def __init__(self, root: str | os.PathLike[str], config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        config: dict[str, Any] | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        upload_every_s: float = 30.0,
+    ) -> None:
+        if isinstance(upload_every_s, bool) or not isinstance(upload_every_s, (int, float)) or upload_every_s < 0:
+            raise ConfigurationError("logging.upload_every_s", f"got {upload_every_s!r}", "pass seconds >= 0")
         url = split_url(root)
+        #: Where the versions are kept when that is object storage (``None``: ``root`` on this machine).
+        self.remote: Path | None = None
+        self._storage: Any = None
         if url is not None and url[0] != "file":
-            # Run directories are local (loggers append to open files); never a local directory named "s3:".
-            raise ConfigurationError(
-                "logging.dir",
-                f"{str(root)!r} is a {url[0]}:// URL; run directories are written on a local file system",
-                "give a local path (copy it to object storage afterwards, e.g. `aws s3 sync`)",
-            )
-        self.root = Path("/" + url[1]) if url is not None else Path(root)
+            self.remote, self._storage = open_storage(root, storage_options, option="logging.dir")
+            self._storage.check(self.remote)  # credentials, bucket, write access: before training
+            staging = Path(tempfile.mkdtemp(prefix="unison-run-"))
+            self._cleanup = weakref.finalize(self, shutil.rmtree, staging, True)
+            #: The local directory the loggers write into (a staging copy for a remote root).
+            self.root = staging / (self.remote.name or "run")
+        else:
+            self.root = Path("/" + url[1]) if url is not None else Path(root)
         #: The resolved configuration to record (a ``unison train`` config); ``None``: the trainer's settings.
         self.config = config
+        self.upload_every_s = float(upload_every_s)
         self.path: Path | None = None
         self.metadata: dict[str, Any] | None = None
         self._users = 0
+        self._uploaded: dict[str, tuple[int, int]] = {}
+        self._last_upload = 0.0
+        self._upload_warned = False
 
     @classmethod
     def get(cls, root: str | os.PathLike[str] | RunDirectory) -> RunDirectory:
         """The process-wide :class:`RunDirectory` for ``root`` (``root`` itself when it is one)."""
         if isinstance(root, RunDirectory):
             return root
-        key = Path(root).absolute()
+        key = str(root) if split_url(root) is not None else str(Path(root).absolute())
         run = cls._shared.get(key)
         if run is None:
             run = cls._shared[key] = cls(root)
@@ -96,26 +136,79 @@ class RunDirectory:
         assert self.path is not None, "the run directory is not open"
         return f"{self.root.name}/{self.path.name}"
 
+    @property
+    def location(self) -> str:
+        """Where the open (or last) run's files are kept: its local path, or its URL in object storage."""
+        assert self.path is not None, "the run directory is not open"
+        return str(self.remote / self.path.name) if self.remote is not None else str(self.path)
+
     def open(self, trainer: Any) -> Path:
         """The current fit's version directory, created (with ``run.json``) by the first caller."""
         if self._users == 0:
-            self.path = new_version(self.root)
+            taken = self._storage.list_dir(self.remote) if self.remote is not None else []
+            self.path = new_version(self.root, taken)
             self.metadata = run_metadata(trainer, self.config, run=self.path.name)
             (self.path / RUN_FILE).write_text(json.dumps(self.metadata, indent=2, sort_keys=True, default=str) + "\n")
+            self._uploaded = {}
+            self.upload(final=True)  # claims version_N in object storage before anything is logged
         self._users += 1
         assert self.path is not None
         return self.path
 
     def close(self) -> None:
-        """One logger is done with the fit; the next ``open`` after the last close starts a new version."""
+        """One logger is done with the fit; the next ``open`` after the last close starts a new version.
+
+        The last close uploads every file of the run to object storage (when the root is there).
+        """
         self._users = max(0, self._users - 1)
+        if self._users == 0 and self.path is not None and not self.upload(final=True):
+            self._cleanup.detach()  # a remote root whose files did not all arrive: keep the only copy
+            warnings.warn(
+                f"the run's files did not all reach {self.location}; they are kept in {self.path}", stacklevel=2
+            )
+
+    def upload(self, final: bool = False) -> bool:
+        """Copy the run's new and changed files to object storage; ``True`` when everything is there.
+
+        Without ``final`` at most once every ``upload_every_s`` seconds (a
+        no-op for a local root). Errors are warnings: training goes on.
+        """
+        if self.remote is None or self.path is None:
+            return True
+        now = time.monotonic()
+        if not final and now - self._last_upload < self.upload_every_s:
+            return True
+        self._last_upload = now
+        changed, signatures = [], {}
+        for name in LocalStorage().list_files(self.path):
+            stat = (self.path / name).stat()
+            signatures[name] = (stat.st_size, stat.st_mtime_ns)
+            if self._uploaded.get(name) != signatures[name]:
+                changed.append(name)
+        try:
+            self._storage.upload(self.path, self.remote / self.path.name, changed)
+        except Exception as exc:  # the network or the server: metrics must not stop training
+            if final or not self._upload_warned:
+                warnings.warn(
+                    f"uploading the run's files to {self.location} failed ({type(exc).__name__}: {exc}); "
+                    + ("" if final else "retrying at the next upload"),
+                    stacklevel=2,
+                )
+                self._upload_warned = True
+            return False
+        self._uploaded.update({name: signatures[name] for name in changed})
+        return True
 
 
-def new_version(root: Path) -> Path:
-    """Create and return ``root/version_N`` with N above every existing version (race-free)."""
+def new_version(root: Path, taken: list[str] | tuple[str, ...] = ()) -> Path:
+    """Create and return ``root/version_N`` with N above every existing version (race-free locally).
+
+    ``taken`` adds names held elsewhere (the versions already in object storage).
+    """
     root.mkdir(parents=True, exist_ok=True)
-    taken = [int(m.group(1)) for p in root.iterdir() if (m := _VERSION.fullmatch(p.name))]
-    n = max(taken, default=-1) + 1
+    names = [p.name for p in root.iterdir()] + list(taken)
+    numbers = [int(m.group(1)) for name in names if (m := _VERSION.fullmatch(name))]
+    n = max(numbers, default=-1) + 1
     while True:
         path = root / f"version_{n}"
         try:

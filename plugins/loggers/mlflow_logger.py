@@ -74,8 +74,8 @@ class MLflowLogger(RunLogger):
             **{f"unison.version.{k}": v for k, v in metadata["versions"].items()},
             **self.tags,
         }
-        if self.path is not None:
-            tags["unison.run_dir"] = str(self.path)
+        if self.path is not None and self.run is not None:
+            tags["unison.run_dir"] = self.run.location  # the URL when the run directory is in object storage
         self.run_id = client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
         params = [Param(k, str(v)[:_MAX_PARAM]) for k, v in flatten(metadata["config"]).items()]
         for i in range(0, len(params), _BATCH):

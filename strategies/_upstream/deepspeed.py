@@ -201,6 +201,8 @@ def local_grad_piece(param: torch.nn.Parameter) -> tuple[torch.Tensor | None, An
     * ZeRO-3: the public ``safe_get_local_grad`` (the padded local fp32
       partition; the padding is cut off here).
     """
+    # PRIVATE ``_hp_mapping``/``_hp_grad``: the attributes safe_get_full_grad itself reads to find the
+    # piece; no public API returns the local piece without its gather.
     mapping = getattr(param, "_hp_mapping", None)
     if getattr(param, "_hp_grad", None) is None and param.grad is not None:
         return param.grad, None
