@@ -221,6 +221,7 @@ def local_grad_piece(param: torch.nn.Parameter) -> tuple[torch.Tensor | None, An
     group = fragment_group(param)
     if mapping is None:
         return None, group
+    # PRIVATE ``_index_in_param_group``: the argument get_full_hp_grad passes to the same call.
     piece = mapping.get_lp_grad_fragment(param._index_in_param_group).flatten()
     address = mapping.lp_fragment_address
     if piece.numel() == param.numel():  # a whole bf16 accumulation buffer: only the owned fragment
