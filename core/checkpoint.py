@@ -361,9 +361,12 @@ class Checkpointer:
         self.storage.remove_tree(path)
 
     def _clean_partials(self) -> None:
+        """Remove what interrupted saves left: ``.partial`` directories and unfinished object-storage commits."""
         for name in self.storage.list_dir(self.root):
             if name.startswith(".") and name.endswith(".partial"):
                 self._remove(self.root / name)
+        for name in self.storage.interrupted_commits(self.root):
+            self._remove(self.root / name)
 
     def _prune(self, keep: Path) -> None:
         """Keep the newest ``keep_last_n`` commits of this run; never ``keep`` nor ``latest``'s target."""

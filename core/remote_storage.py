@@ -21,8 +21,9 @@ Design: stage locally, upload, commit by writing the manifest last.
   manifest exists, which is what the checkpointer looks for. ``latest`` is a
   single PUT afterwards (atomic in S3), then the temporary prefix is deleted.
   A kill at any moment leaves the previous checkpoints untouched and at most
-  a ``.partial`` prefix (removed by the next save or resume) or a ``step-N/``
-  prefix without a manifest (never treated as a checkpoint).
+  a ``.partial`` prefix or a ``step-N/`` prefix without a manifest (never
+  treated as a checkpoint); both are removed by the next save or resume of
+  the run (:meth:`FsspecStorage.interrupted_commits`).
 * Loading downloads the checkpoint to a per-process cache
   (:meth:`FsspecStorage.localize`); the files a rank hashed to verify it are
   kept there, keyed by their ETag, so each rank downloads each file once.
@@ -148,8 +149,14 @@ class FsspecStorage(LocalStorage):
 
     # -- queries ------------------------------------------------------------ #
     def exists(self, path: Path) -> bool:
+        """An object, or a prefix with an object under it (S3's meaning; some servers keep empty directories)."""
         key = self._key(path)
-        return super().exists(path) if key is None else self.fs.exists(key)
+        if key is None:
+            return super().exists(path)
+        if self.fs.isfile(key):
+            return True
+        # find() answers an empty prefix with its own directory entry on such servers: count objects only.
+        return any(info.get("type") != "directory" for info in self.fs.find(key, detail=True).values())
 
     def is_dir(self, path: Path) -> bool:
         key = self._key(path)
@@ -229,7 +236,7 @@ class FsspecStorage(LocalStorage):
         src_key, dst_key = self._key(src), self._key(dst)
         if src_key is None or dst_key is None:
             return super().commit_dir(src, dst)
-        if self.fs.exists(dst_key):
+        if self.exists(dst):
             raise FileExistsError(f"refusing to commit over {dst}")
         names = self.list_files(src)
         if _MANIFEST not in names:
@@ -237,6 +244,15 @@ class FsspecStorage(LocalStorage):
         for name in [n for n in names if n != _MANIFEST] + [_MANIFEST]:
             self._copy_object(f"{src_key}/{name}", f"{dst_key}/{name}")
         self.remove_tree(src)
+
+    def interrupted_commits(self, root: Path) -> list[str]:
+        """``step-*`` prefixes under ``root`` without a manifest: copies a kill stopped before the manifest.
+
+        Only :meth:`commit_dir` writes ``step-*`` prefixes and it writes the
+        manifest last, so such a prefix was never a checkpoint.
+        """
+        names = [n for n in self.list_dir(root) if n.startswith("step-")]
+        return [n for n in names if not self.exists(root / n / _MANIFEST) and self.exists(root / n)]
 
     def _copy_object(self, src: str, dst: str) -> None:
         self.fs.copy(src, dst)  # server-side copy

@@ -118,6 +118,10 @@ class LocalStorage:
         os.rename(src, dst)
         self._sync_dir(dst.parent)
 
+    def interrupted_commits(self, root: Path) -> list[str]:
+        """Names under ``root`` left by a commit that never finished (here none: a commit is one rename)."""
+        return []
+
     def remove_file(self, path: Path) -> None:
         """Delete one file (missing is fine)."""
         path.unlink(missing_ok=True)

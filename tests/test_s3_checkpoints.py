@@ -122,7 +122,9 @@ def test_a_kill_mid_commit_leaves_the_previous_checkpoint_valid_and_auto_resumes
     assert max_abs_diff(resumed["state"], full["state"]) == 0.0
     keys = objects(s3, "killed")
     assert not [k for k in keys if ".partial" in k], keys  # the interrupted save's leftovers are gone
-    assert "step-00000008" in committed_steps(keys)
+    # ...and so is its manifest-less step-4 copy: the resumed run committed step 4 under its plain name.
+    assert committed_steps(keys) == ["step-00000002", "step-00000004", "step-00000006", "step-00000008"], keys
+    assert {k.split("/")[0] for k in keys if k.startswith("step-")} == set(committed_steps(keys)), keys
 
 
 class Steps:
