@@ -5,6 +5,13 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable
 
+#: Exit codes of a unison worker and of ``unison run`` / ``unison train`` (the launcher exits with the
+#: code of the first real failure). ``PREEMPTED_EXIT_CODE`` (75, a stop after a checkpoint) lives in
+#: :mod:`unison.lifecycle`; an interrupt is 130 (128 + SIGINT).
+EXIT_FAILED = 1  # an exception
+EXIT_CONFIGURATION = 2  # a ConfigurationError: bad input, named with its fix
+EXIT_STALLED = 3  # the watchdog found a rank that stopped making progress
+
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
     """``" (did you mean 'ddp'?)"`` for the closest of ``known`` names, or ``""`` when none is close."""
