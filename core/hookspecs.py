@@ -16,7 +16,7 @@ The order of one ``fit`` call, identical for every strategy. A bracketed
 line fires only when the condition beside it holds (all of its hooks, in that
 order); ``each optimizer step:`` repeats its indented block once per optimizer
 step. ``tests/test_hook_order.py`` checks a real run against this block, and
-README.md's "Hooks" section repeats it::
+docs/hooks.md repeats it::
 
     unison_on_fit_start
     [unison_on_load_checkpoint]                  resuming (ckpt_path given)

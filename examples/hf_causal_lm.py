@@ -9,11 +9,14 @@ every Hugging Face causal LM takes; the model computes its own loss::
     trainer.fit(build_model, train, training_step=training_step, optimizer=...)
 
 ``unison train examples/hf_causal_lm.toml [--strategy ddp --nproc 2]`` uses the
-factories below. Needs ``pip install 'unison[hf]'``.
+factories below; ``python examples/hf_causal_lm.py [--strategy NAME] [--max-steps N]``
+trains the same model from Python (``unison run --nproc 2 examples/hf_causal_lm.py
+--strategy ddp`` on two processes). Needs ``pip install -e '.[hf]'`` in a clone.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -88,3 +91,37 @@ def build_model(hidden_size: int = 64, layers: int = 2, heads: int = 4, seq_len:
 def training_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The model computes the mean token loss itself from ``labels``."""
     return model(**batch).loss
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Train with the settings of ``hf_causal_lm.toml`` and print the final losses."""
+    import unison
+
+    parser = argparse.ArgumentParser(description="Train a tiny Hugging Face Llama on byte-level text.")
+    parser.add_argument("--strategy", default="single", help="a registered strategy name (default: single)")
+    parser.add_argument("--max-steps", type=int, default=60, help="optimizer steps (default: 60)")
+    args = parser.parse_args(argv)
+
+    train, val = build_datasets()
+    trainer = unison.Trainer(
+        strategy=args.strategy,
+        global_batch_size=16,
+        accumulate_grad_batches=2,
+        max_steps=args.max_steps,
+        grad_clip_norm=1.0,
+        seed=0,
+        log_every_n_steps=10,
+    )
+    trainer.fit(
+        build_model,
+        train,
+        training_step=training_step,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
+        val_dataset=val,
+    )
+    if trainer.is_global_zero:
+        print(f"validation loss after {args.max_steps} steps: {trainer.last_validation['val/loss']:.4f}")
+
+
+if __name__ == "__main__":
+    main()

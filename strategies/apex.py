@@ -4,8 +4,8 @@ What NVIDIA apex offers today, read from its source at commit
 ``6424da3b4faa6c8f062da4a48c424fff3f02d42d`` (2026-07): ``apex.amp`` and
 ``apex.parallel.DistributedDataParallel`` are gone; what remains for training
 loops is fused optimizers (``apex.optimizers.FusedAdam``, ``FusedLAMB``, ...:
-plain ``torch.optim.Optimizer`` subclasses, usable under any strategy, see the
-README) and ``apex.contrib.optimizers.distributed_fused_adam.DistributedFusedAdam``,
+plain ``torch.optim.Optimizer`` subclasses, usable under any strategy, see
+docs/strategies.md) and ``apex.contrib.optimizers.distributed_fused_adam.DistributedFusedAdam``,
 a ZeRO-2 style optimizer that owns gradient synchronisation. This module
 registers the latter as a strategy.
 

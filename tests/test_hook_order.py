@@ -1,7 +1,7 @@
 """The documented hook order is the fired hook order.
 
-The order lives once, in the module docstring of :mod:`unison.hookspecs` (README.md's
-"Hooks" section repeats it verbatim). These tests parse that block into a pattern over
+The order lives once, in the module docstring of :mod:`unison.hookspecs` (docs/hooks.md
+repeats it verbatim). These tests parse that block into a pattern over
 hook names and match real runs against it: a fresh run with validation, checkpoints,
 logging, an epoch boundary and a cut-short epoch; a resumed run; and runs stopped by
 ``should_stop``.
@@ -185,9 +185,9 @@ def test_should_stop_validates_and_saves_each_step_once(tmp_path, stop_after_ste
     assert sorted(p.name for p in ckpt.glob("step-*")) == checkpoints
 
 
-def test_readme_repeats_the_documented_order():
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Hooks") :]
+def test_docs_repeat_the_documented_order():
+    readme = (ROOT / "docs" / "hooks.md").read_text()
+    section = readme[readme.index("# Hooks") :]
     fenced = section[section.index("```") + 3 :]
     readme_block = fenced[fenced.index("\n") + 1 : fenced.index("```")].strip("\n")
     assert readme_block == documented_block(hookspecs.__doc__ or "")
