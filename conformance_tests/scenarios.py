@@ -223,8 +223,9 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01),
     "adamw_groups": lambda params: torch.optim.AdamW(_split_groups(params)),
-    # Per-parameter state other than Adam's (a running sum of squared gradients).
-    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.05),
+    # Per-parameter state other than Adam's (a running average of squared gradients and a momentum
+    # buffer), created lazily at the first step like Adam's.
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-2, momentum=0.5),
 }
 
 #: The class each optimizer factory returns (named in what a run needs).
@@ -232,7 +233,7 @@ _OPTIMIZER_CLASSES = {
     "sgd": "torch.optim.SGD",
     "adamw": "torch.optim.AdamW",
     "adamw_groups": "torch.optim.AdamW",
-    "adagrad": "torch.optim.Adagrad",
+    "rmsprop": "torch.optim.RMSprop",
 }
 
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
@@ -636,10 +637,10 @@ SCENARIOS: tuple[Scenario, ...] = (
         runs=_resume_runs(),
     ),
     Scenario(
-        "resume_adagrad",
-        "save at step 3, resume to step 6 with Adagrad (per-parameter state other than Adam's), warmup",
+        "resume_rmsprop",
+        "save at step 3, resume to step 6 with RMSprop and momentum (per-parameter state other than Adam's), warmup",
         model="mlp",
-        optimizer="adagrad",
+        optimizer="rmsprop",
         scheduler="warmup",
         accumulate_grad_batches=2,
         runs=_resume_runs(),

@@ -204,7 +204,7 @@ class PerRankValidationMean(_DataParallel):
 
 class ForgetsMomentum(_DataParallel):
     """Restores only Adam's state keys on resume (``step``, ``exp_avg``, ``exp_avg_sq``): SGD momentum and
-    Adagrad's sums start again from zero."""
+    RMSprop's averages start again from zero."""
 
     ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
 
