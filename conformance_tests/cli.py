@@ -9,9 +9,12 @@ Example::
 
     unison conformance --strategy ddp,fsdp --world-size 2 --report ./conformance-report
 
-The first lines printed are the certificates: ``certified`` (it ran, no
-scenario failed, at least one training scenario was proven) or ``not certified``
-with the reason.
+The first lines printed are the certificates: ``certified`` (every scenario
+ran, none failed, at least one training scenario was proven), ``PARTIAL: n of N
+scenarios`` (``--scenario`` chose fewer than the full set and none of those
+failed: no certificate) or ``not certified`` with the reason. The last line
+names the report written (``./conformance-report`` unless ``--report`` says
+otherwise).
 
 Exit status: 0 when no strategy that claims conformance failed a scenario; 1
 when any such scenario failed. A refusal counts only when the strategy's
@@ -20,7 +23,8 @@ refusal is a failure. Strategies unavailable here are reported as skipped, and
 failures of strategies whose ownership declares them non-conformant are shown
 but do not change the exit status. ``--require-certified`` also exits 1 when a
 strategy that ran is not certified (e.g. nothing proven: every scenario
-declared out).
+declared out); on a partial run it asks that none of the scenarios run failed
+and that one was proven.
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ def _command() -> Any:
         "--report",
         "report_dir",
         type=click.Path(file_okay=False),
-        default=None,
-        help="Write report.json and report.html into this directory.",
+        default="conformance-report",
+        show_default=True,
+        help="Write report.json and report.html into this directory (always written; its path is printed).",
     )
     @click.option(
         "--scenario",
@@ -89,7 +94,7 @@ def _command() -> Any:
     def conformance(
         strategies: tuple[str, ...],
         world_size: int,
-        report_dir: str | None,
+        report_dir: str,
         scenarios: tuple[str, ...],
         plugins: tuple[str, ...],
         timeout: float,
@@ -125,8 +130,7 @@ def _command() -> Any:
         width = max(Console().width, 26 + 16 * len(names))
         console = Console(width=width)
         report.print_table(console)
-        if report_dir:
-            console.print(f"report: {os.path.join(report_dir, 'report.html')} and report.json")
+        console.print(f"report: {os.path.join(report_dir, 'report.html')} and report.json")
         code = report.exit_code
         if require_certified:
             uncertified = [c.strategy for c in report.certificates() if not c.certified and c.skipped is None]

@@ -70,6 +70,7 @@ is the one the product promises; it is never loosened.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,7 @@ import torch
 
 from unison.conformance.runner import StrategyResult
 from unison.conformance.scenarios import Run, Scenario, build_model, needs
+from unison.conformance.validation import check_validations
 from unison.ownership import AccumulationOwner, Feature, GradSync, WorldSizes
 
 #: Denominator floor of the relative comparisons.
@@ -200,10 +202,37 @@ class Verdict:
     gradient_sync_per_step: list[int] | None = None
     #: For a failed scenario: the first divergence and the likely broken rule.
     diagnosis: Any = None
+    #: The precision the scenario trains in (its tolerances).
+    precision: str | None = None
 
     @property
     def passed(self) -> bool:
         return self.status == PASS
+
+    @property
+    def deviation_ratio(self) -> float | None:
+        """A proven scenario's largest measured deviation over its tolerance (parameters and losses; the
+        smaller, the further inside the tolerance), or ``None`` when nothing numeric was compared."""
+        tol = TOLERANCES.get(self.precision or "32-true")
+        if self.status != PASS or tol is None:
+            return None
+        ratios = []
+        if self.max_param_deviation is not None:
+            ratios.append(self.max_param_deviation / tol.param)
+        if self.max_loss_deviation is not None:
+            ratios.append(self.max_loss_deviation / tol.loss)
+        return max(ratios) if ratios else None
+
+    @property
+    def margin(self) -> float | None:
+        """A failed scenario's first numeric divergence over its tolerance (how far outside it the deciding
+        check fell), or ``None`` when the failure is not numeric (a refusal, an error, a hook sequence)."""
+        if self.status != FAIL:
+            return None
+        for d in self.divergences:
+            if d.deviation is not None and d.tolerance:
+                return d.deviation / d.tolerance
+        return None
 
     def summary(self) -> str:
         if self.status == PASS:
@@ -228,6 +257,8 @@ class Verdict:
             "checks": self.checks,
             "gradient_sync_per_step": self.gradient_sync_per_step,
             "diagnosis": self.diagnosis.to_dict() if self.diagnosis is not None else None,
+            "deviation_ratio": self.deviation_ratio,
+            "margin": self.margin,
             "summary": self.summary(),
         }
 
@@ -518,9 +549,20 @@ def _label(backend: str, run_id: str) -> str:
     return f"{backend}:{run_id}"
 
 
+_EXCEPTION_LINE = re.compile(r"^[\w.]+(Exception|Error|Exit|Interrupt|Warning)\b.*")
+
+
 def _error_line(trace: dict[str, Any]) -> str:
+    """The error's last line; with the outermost exception first when it wraps another
+    (``CheckpointException`` holds each rank's failure)."""
     text = (trace.get("error") or trace.get("reason") or "").strip()
-    return text.splitlines()[-1] if text else "unknown error"
+    if not text:
+        return "unknown error"
+    last = text.splitlines()[-1]
+    raised = [line for line in text.splitlines() if _EXCEPTION_LINE.match(line)]
+    if raised and raised[0] != last and raised[0].split(":")[0] not in last:
+        return f"{raised[0]} ... {last}"
+    return last
 
 
 def _buffer_names(scenario: Scenario) -> list[str]:
@@ -711,6 +753,16 @@ def _check_rank_consistency(c: _Checker, label: str, trace: dict[str, Any]) -> N
                 got=hn,
                 kind="hooks",
             )
+
+
+#: Hooks whose number of calls depends on the world size by design: one per
+#: validation batch of this replica (the reference runs more, smaller-world
+#: strategies fewer, each over more samples).
+_PER_REPLICA_BATCH_HOOKS = ("unison_validation_progress",)
+
+
+def _comparable_hooks(hooks: list[str]) -> list[str]:
+    return [h for h in hooks if h not in _PER_REPLICA_BATCH_HOOKS]
 
 
 def _same_steps(a: Any, b: Any) -> bool:
@@ -904,7 +956,7 @@ def judge_scenario(
     """The verdict of ``scenario`` for the strategy measured in ``result``."""
     from unison.conformance.diagnose import diagnose
 
-    v = Verdict(scenario.name, result.name, PASS)
+    v = Verdict(scenario.name, result.name, PASS, precision=scenario.precision)
     if result.status == "skipped":
         v.status, v.reason = SKIPPED, result.reason
         return v
@@ -915,7 +967,12 @@ def judge_scenario(
     if scenario.kind == "declarations":
         return _judge_declarations(scenario, result, v)
     if scenario.requires_reshardable and not own.get("state_dict", {}).get("reshardable"):
-        v.status, v.reason = DECLARED_OUT, "declares its state_dict not reshardable"
+        fmt = own.get("state_dict", {}).get("format") or "its format"
+        v.status, v.reason = (
+            DECLARED_OUT,
+            f"declares its state_dict not reshardable ({fmt}): its checkpoints resume only at the world size "
+            "and under the strategy that wrote them",
+        )
         return v
 
     c = _Checker(scenario, tolerance_for(scenario.precision))
@@ -997,8 +1054,9 @@ def judge_scenario(
             if twin is None or twin["status"] != "ok":
                 c.fail(label, "twin", note=f"reference run {run.twin!r} missing", kind="run")
             else:
-                if t["hooks"] != twin["hooks"]:
-                    first = _first_difference(twin["hooks"], t["hooks"])
+                hooks, twin_hooks = _comparable_hooks(t["hooks"]), _comparable_hooks(twin["hooks"])
+                if hooks != twin_hooks:
+                    first = _first_difference(twin_hooks, hooks)
                     c.fail(
                         label,
                         "hook sequence",
@@ -1019,6 +1077,8 @@ def judge_scenario(
                             kind="counts",
                         )
                 c.steps(label, t, twin, against, exact_range=True)
+                if scenario.val_every:
+                    check_validations(c, label, t, twin, against)
                 c.buffer_snapshots(label, t.get("buffer_snapshots"), twin.get("buffer_snapshots"), against)
                 c.state(label, t.get("state"), twin.get("state"), against, buffers=buffers)
         if run.truth is not None:
@@ -1211,8 +1271,22 @@ def _judge_declarations(scenario: Scenario, result: StrategyResult, v: Verdict) 
 def judge(
     result: StrategyResult, reference: dict[str, dict[str, dict[str, Any]]], scenarios: Iterable[Scenario]
 ) -> dict[str, Verdict]:
-    """Every scenario's verdict for one strategy."""
-    return {s.name: judge_scenario(s, result, reference) for s in scenarios}
+    """Every scenario's verdict for one strategy.
+
+    Never raises (but on ``KeyboardInterrupt``): a comparison that cannot be
+    made (a trace the suite did not expect) is that scenario's failure, named.
+    """
+    out = {}
+    for s in scenarios:
+        try:
+            out[s.name] = judge_scenario(s, result, reference)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            out[s.name] = Verdict(
+                s.name, result.name, FAIL, reason=f"the comparison could not be made: {type(exc).__name__}: {exc}"
+            )
+    return out
 
 
 __all__ = [

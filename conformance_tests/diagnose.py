@@ -37,6 +37,8 @@ gradient_sync      gradient collectives contradict the declared GradSync or engi
 optimizer          loss and grad norm equal up to step k-1 but the loss differs at step
                    k, or every per-step number matches and only the final parameters
                    differ: the optimizer update (rule, state, hyperparameters, groups)
+validation         only val/loss differs from the reference's (training matches): not the
+                   per-sample mean over all replicas
 scheduler          the learning rate is the first quantity to differ
 hooks / counts     the hook sequence or the optimizer/scheduler step counts differ
 unclassified       none of the above
@@ -74,6 +76,7 @@ TITLES = {
     "gradient_sync": "gradient sync contradicts the declaration",
     "optimizer": "optimizer update differs",
     "scheduler": "learning-rate schedule differs",
+    "validation": "validation loss is not the per-sample mean over all replicas",
     "hooks": "hook sequence differs",
     "counts": "step counts differ",
     "unclassified": "unclassified divergence",
@@ -238,6 +241,16 @@ def diagnose(
             d,
             "the reference run broke the scenario's premise: the scenario proves nothing "
             "until the suite is fixed, whatever the strategy does",
+        )
+
+    if all(d.kind == "validation" for d in divergences):
+        d = first
+        return _make(
+            "validation",
+            d,
+            "training matches the reference but val/loss does not: it is not the per-sample mean over every "
+            "replica (each replica's mean averaged, or a zero-weight stand-in batch counted); the strategy's "
+            "reduce_sum must sum the (loss * weight, weight) pair over replicas",
         )
 
     numeric = [d for d in divergences if d.kind in ("loss", "grad_norm", "lr", "state", "buffer", "skipped")]

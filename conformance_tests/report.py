@@ -46,7 +46,7 @@ from typing import Any
 
 from unison.conformance.compare import DECLARED_OUT, FAIL, PASS, SKIPPED, TOLERANCES, Verdict, judge, status_label
 from unison.conformance.runner import REFERENCE, StrategyResult, Suite
-from unison.conformance.scenarios import SCENARIOS_BY_NAME, Scenario
+from unison.conformance.scenarios import SCENARIOS, SCENARIOS_BY_NAME, Scenario
 
 #: Line colours (matplotlib's tab10), one per strategy.
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f"]
@@ -118,16 +118,42 @@ class Certificate:
     failed: list[tuple[str, str]]
     skipped: str | None = None
     non_conformant: str | None = None
+    #: Scenarios this run covered, and how many the full catalogue has: a run of
+    #: fewer is *partial* and never reads as a certificate.
+    scenarios_run: int = 0
+    scenarios_total: int = 0
+    #: World sizes at which at least one scenario was proven (the main world,
+    #: and the other world size when a reshard resume was proven there).
+    world_sizes: list[int] = field(default_factory=list)
+    #: ``{scenario: measured deviation / tolerance}`` of every proven scenario with numbers compared.
+    deviation_ratios: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def partial(self) -> bool:
+        return self.scenarios_run < self.scenarios_total
 
     @property
     def label(self) -> str:
-        return "certified" if self.certified else "not certified"
+        """``certified``, ``partial: n of N scenarios`` (nothing failed, but not every scenario ran) or
+        ``not certified``."""
+        if not self.certified:
+            return "not certified"
+        if self.partial:
+            return f"partial: {self.scenarios_run} of {self.scenarios_total} scenarios"
+        return "certified"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "strategy": self.strategy,
-            "certified": self.certified,
+            # A partial run certifies nothing, whatever passed.
+            "certified": self.certified and not self.partial,
+            "partial": self.partial,
+            "passed": self.certified,
             "label": self.label,
+            "scenarios_run": self.scenarios_run,
+            "scenarios_total": self.scenarios_total,
+            "world_sizes": self.world_sizes,
+            "deviation_ratios": self.deviation_ratios,
             "summary": self.summary,
             "proven": self.proven,
             "declared_out": [{"scenario": s, "reason": r} for s, r in self.declared_out],
@@ -135,6 +161,39 @@ class Certificate:
             "skipped": self.skipped,
             "non_conformant": self.non_conformant,
         }
+
+
+#: What each word of the report means, in plain language (shown in the HTML report).
+LEGEND = (
+    ("certified", "every scenario of the suite ran; none failed; each was proven or declared out"),
+    (
+        "partial",
+        "only some scenarios ran (--scenario); none of those failed, but a partial run certifies nothing",
+    ),
+    ("not certified", "at least one scenario failed, or nothing could be proven"),
+    ("pass (proven)", "the strategy trained like the single-process reference, within the tolerance"),
+    ("declared out", "the strategy refused the scenario, and its declaration says it does not support what it needs"),
+    ("fail", "the strategy differed from the reference, or refused something it declares it supports"),
+    ("skipped", "the strategy cannot run on this machine (e.g. its library is not installed)"),
+)
+
+
+def _proven_world_sizes(result: StrategyResult, verdicts: dict[str, Verdict], world_size: int) -> list[int]:
+    sizes = set()
+    for name, v in verdicts.items():
+        scenario = SCENARIOS_BY_NAME.get(name)
+        if v.status != PASS or scenario is None or scenario.kind != "train":
+            continue
+        sizes.add(world_size)
+        ran_alt = any(
+            r.backend == "strategy"
+            and r.world == "alt"
+            and result.traces.get(name, {}).get(r.id, {}).get("status") == "ok"
+            for r in scenario.runs
+        )
+        if ran_alt:
+            sizes.add(result.alt_world_size)
+    return sorted(sizes)
 
 
 def _certificate(result: StrategyResult, verdicts: dict[str, Verdict], world_size: int) -> Certificate:
@@ -145,7 +204,19 @@ def _certificate(result: StrategyResult, verdicts: dict[str, Verdict], world_siz
         for n, v in verdicts.items()
         if v.status == FAIL
     ]
-    cert = Certificate(result.name, False, "", proven, out, failed, non_conformant=result.non_conformant)
+    cert = Certificate(
+        result.name,
+        False,
+        "",
+        proven,
+        out,
+        failed,
+        non_conformant=result.non_conformant,
+        scenarios_run=len(verdicts),
+        scenarios_total=len(SCENARIOS),
+        world_sizes=_proven_world_sizes(result, verdicts, world_size),
+        deviation_ratios={n: r for n, v in verdicts.items() if (r := v.deviation_ratio) is not None},
+    )
     if result.status == "skipped":
         cert.skipped = result.reason
         cert.summary = f"not run here: {result.reason}"
@@ -158,9 +229,18 @@ def _certificate(result: StrategyResult, verdicts: dict[str, Verdict], world_siz
         cert.summary = f"no training scenario proven at world size {world_size}: every one ran is declared out"
     else:
         cert.certified = True
-        cert.summary = f"{len(proven)} scenario(s) proven at world size {world_size}" + (
+        sizes = " and ".join(str(n) for n in cert.world_sizes) or str(world_size)
+        cert.summary = f"{len(proven)} scenario(s) proven at world size {sizes}" + (
             f", {len(out)} declared out" if out else ""
         )
+        if cert.deviation_ratios:
+            worst = max(cert.deviation_ratios, key=lambda n: cert.deviation_ratios[n])
+            cert.summary += f"; largest deviation {cert.deviation_ratios[worst]:.2g} of the tolerance ({worst})"
+        if cert.partial:
+            cert.summary += (
+                f"; only {cert.scenarios_run} of the {cert.scenarios_total} scenarios ran, so this is no "
+                "certificate (run every scenario to certify)"
+            )
     return cert
 
 
@@ -222,8 +302,9 @@ class SuiteReport:
 
         console = console or Console()
         for cert in self.certificates():
-            style = "bold green" if cert.certified else "bold red"
-            console.print(f"[{style}]{escape(cert.strategy)}: {cert.label.upper()}[/{style}] – {escape(cert.summary)}")
+            style = ("bold yellow" if cert.partial else "bold green") if cert.certified else "bold red"
+            label = cert.label.upper() if not (cert.certified and cert.partial) else "PARTIAL" + cert.label[7:]
+            console.print(f"[{style}]{escape(cert.strategy)}: {label}[/{style}] – {escape(cert.summary)}")
         table = Table(title=f"unison conformance (world size {self.world_size}; reference: {REFERENCE})")
         table.add_column("scenario", style="bold", no_wrap=True)
         for r in self.results:
@@ -295,7 +376,7 @@ class SuiteReport:
                     "name": r.name,
                     "status": r.status,
                     "reason": r.reason,
-                    "certified": self.certified(r.name),
+                    "certified": self.certificate(r.name).to_dict()["certified"],
                     "non_conformant": r.non_conformant,
                     "ownership": r.ownership,
                     "wall_s": r.wall_s,
@@ -349,8 +430,13 @@ class SuiteReport:
                     "verdicts": [(r, self.verdicts[r.name][s.name]) for r in self.results],
                 }
             )
+        ran = {s.name for s in self.scenarios}
         return template.render(
             report=self,
+            reshard_ran=any(r.world == "alt" for s in self.scenarios for r in s.runs),
+            partial=len(ran) < len(SCENARIOS),
+            scenarios_total=len(SCENARIOS),
+            PARTIAL_LEGEND=LEGEND,
             env=self.env,
             strategies=strategies,
             scenarios=scenarios,
@@ -513,6 +599,16 @@ def _sanitize(value: Any) -> Any:
     return value
 
 
+def _reference_or_empty(suite: Suite) -> dict[str, dict[str, dict[str, Any]]]:
+    """The reference traces; empty when computing them failed (each strategy's result names why)."""
+    try:
+        return suite.reference()
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return {}
+
+
 def certify(
     strategies: Sequence[str],
     *,
@@ -535,7 +631,7 @@ def certify(
         results = [suite.run_strategy(name) for name in strategies]
         # Computed (once) by the first strategy that ran; not at all when
         # every strategy was skipped.
-        reference = suite.reference() if any(r.status == "ran" for r in results) else {}
+        reference = _reference_or_empty(suite) if any(r.status == "ran" for r in results) else {}
         verdicts = {r.name: judge(r, reference, suite.scenarios) for r in results}
         report = SuiteReport(
             world_size=suite.world_size,
@@ -555,4 +651,4 @@ def certify(
     return report
 
 
-__all__ = ["Certificate", "SuiteReport", "certify", "environment"]
+__all__ = ["LEGEND", "Certificate", "SuiteReport", "certify", "environment"]

@@ -101,6 +101,7 @@ from unison.conformance.scenarios import (
     select,
     training_step,
 )
+from unison.conformance.validation import validation_data
 from unison.errors import ConfigurationError, DeclaredRefusal
 from unison.ownership import STANDARD_PRECISIONS, WorldSizes
 
@@ -186,6 +187,8 @@ class TraceRecorder:
         self.step_calls: dict[int, int] = {}
         self.current_step: int | None = None
         self.updates_outside_window = 0
+        #: ``{"step", "loss"}`` of every validation (``val/loss``).
+        self.validations: list[dict[str, Any]] = []
 
     def count_update(self) -> None:
         if self.in_update and self.current_step is not None:
@@ -232,6 +235,10 @@ class TraceRecorder:
         if self.buffer_names:
             state = trainer.full_state_dict()
             self.buffer_snapshots[trainer.progress.global_step] = {k: state[k] for k in self.buffer_names if k in state}
+
+    @unison.hookimpl
+    def unison_on_validation_end(self, step: int, metrics: dict[str, float]) -> None:
+        self.validations.append({"step": step, "loss": float(metrics["val/loss"])})
 
     @unison.hookimpl
     def unison_on_train_step_end(self, step: int, output: Any) -> None:
@@ -394,7 +401,9 @@ def execute_run(
         if run.perturb is not None and rank != 0:
             perturb(model, run.perturb, rank)
         data = scenario.dataset(sizing)
-        form = {"loss_fn": loss_fn} if scenario.form == "loss_fn" else {"training_step": training_step}
+        form: dict[str, Any] = {"loss_fn": loss_fn} if scenario.form == "loss_fn" else {"training_step": training_step}
+        if scenario.val_every:
+            form["val_dataset"] = validation_data()
         with _profile(dist_on) as prof_box, pm.record_hook_calls(prefix="unison_") as hooks:
             progress = trainer.fit(
                 model,
@@ -430,6 +439,7 @@ def execute_run(
             collectives=_analyse_collectives(prof_box[0].events()) if prof_box else None,
             state=trainer.full_state_dict(),
             buffer_snapshots=recorder.buffer_snapshots,
+            validations=recorder.validations,
         )
     except ConfigurationError as exc:
         if trainer is not None and trainer.setup_started:
@@ -449,7 +459,13 @@ def execute_run(
                     "in_constructor": trainer is None,
                 },
             )
-    except Exception:
+    except BaseException as exc:
+        # Every failure of a run is a failed cell, upstream BaseException
+        # subclasses included (torch.distributed.checkpoint's
+        # CheckpointException derives from BaseException); only the user's
+        # own interrupt stops the suite.
+        if isinstance(exc, KeyboardInterrupt):
+            raise
         trace.update(status="error", error=traceback.format_exc(limit=12))
     trace["wall_s"] = time.perf_counter() - started
     return trace
@@ -477,6 +493,9 @@ class PhaseContext:
     strategy_root: str
     #: Only runs resuming from the other backend (reference-post phase).
     cross_only: bool = False
+    #: The strategy declares its state_dict reshardable; scenarios that need
+    #: it are not run otherwise (they are declared out).
+    reshardable: bool = True
     #: Where ranks note the run they are in and, after ``dump_stacks_after``
     #: seconds, dump every thread's stack (what a hung world reports).
     diagnostics_dir: str | None = None
@@ -525,7 +544,7 @@ def run_phase(ctx: PhaseContext) -> dict[str, dict[str, dict[str, Any]]]:
     out: dict[str, dict[str, dict[str, Any]]] = {}
     with _diagnostics(ctx, rank) as where:
         for scenario in select(ctx.scenarios):
-            if scenario.kind != "train":
+            if scenario.kind != "train" or (scenario.requires_reshardable and not ctx.reshardable):
                 continue
             for run in _phase_runs(ctx, scenario):
                 where(f"scenario {scenario.name!r}, run {ctx.backend}:{run.id}")
@@ -582,8 +601,14 @@ def _run_one(
 ) -> None:
     try:
         resume = _resume_source(ctx, scenario, run)
-    except FileNotFoundError as exc:
-        out.setdefault(scenario.name, {})[run.id] = {"status": "error", "error": str(exc), "wall_s": 0.0}
+    except BaseException as exc:  # a missing or unreadable checkpoint: this run's failure
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        out.setdefault(scenario.name, {})[run.id] = {
+            "status": "error",
+            "error": f"{type(exc).__name__}: {exc}",
+            "wall_s": 0.0,
+        }
         return
     writes = run.save or scenario.checkpoint_every is not None
     trace = execute_run(
@@ -609,6 +634,7 @@ def _merge_ranks(results: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[st
         "steps",
         "state",
         "buffer_snapshots",
+        "validations",
         "refusal",
         "error",
     )
@@ -679,7 +705,9 @@ def check_precision_declarations(strategy: str, plugins: Sequence[str], sizing: 
                     accelerator="cpu",
                     progress="off",
                 )
-        except Exception as exc:  # recorded, judged by compare
+        except BaseException as exc:  # recorded, judged by compare
+            if isinstance(exc, KeyboardInterrupt):
+                raise
             raised = {
                 "type": type(exc).__name__,
                 "is_configuration_error": isinstance(exc, ConfigurationError),
@@ -775,11 +803,13 @@ class Suite:
     def diagnostics_dir(self, name: str) -> Path:
         return self.workdir / "diagnostics" / f"{name}-w{self.world_size}"
 
-    def _world_error(self, name: str, world: str, exc: Exception) -> str:
+    def _world_error(self, name: str, world: str, exc: BaseException) -> str:
         detail = _world_diagnostics(self.diagnostics_dir(name), world)
         return f"{type(exc).__name__}: {exc}" + (f"\n{detail}" if detail else "")
 
-    def _ctx(self, strategy: str, backend: str, world: str, *, cross_only: bool = False) -> PhaseContext:
+    def _ctx(
+        self, strategy: str, backend: str, world: str, *, cross_only: bool = False, reshardable: bool = True
+    ) -> PhaseContext:
         return PhaseContext(
             strategy=strategy,
             backend=backend,
@@ -791,6 +821,7 @@ class Suite:
             reference_root=str(self.reference_root),
             strategy_root=str(self.strategy_root(strategy)),
             cross_only=cross_only,
+            reshardable=reshardable,
             # Spawned worlds only (the parent's faulthandler timer belongs to its host, e.g. pytest):
             # stacks are dumped shortly before the world is killed, so a hang names its place.
             diagnostics_dir=str(self.diagnostics_dir(strategy)) if backend == "strategy" else None,
@@ -798,7 +829,11 @@ class Suite:
         )
 
     def _has_runs(self, ctx: PhaseContext) -> bool:
-        return any(_phase_runs(ctx, s) for s in self.scenarios if s.kind == "train")
+        return any(
+            _phase_runs(ctx, s)
+            for s in self.scenarios
+            if s.kind == "train" and (ctx.reshardable or not s.requires_reshardable)
+        )
 
     def reference(self) -> dict[str, dict[str, dict[str, Any]]]:
         """The reference traces (computed once, in this process)."""
@@ -810,7 +845,27 @@ class Suite:
         return self._reference
 
     def run_strategy(self, name: str) -> StrategyResult:
-        """Run every phase for strategy ``name``."""
+        """Run every phase for strategy ``name``; never raises (but on ``KeyboardInterrupt``).
+
+        A failure outside any single run (the reference, a phase, the suite
+        itself) makes the strategy's result an ``error`` naming it, so the
+        report is still written and every scenario of it is a failed cell.
+        """
+        try:
+            return self._run_strategy(name)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            return StrategyResult(
+                name=name,
+                status="error",
+                reason=f"the suite could not run {name!r}: {type(exc).__name__}: {exc}\n"
+                + traceback.format_exc(limit=8),
+                world_size=self.world_size,
+                alt_world_size=self.alt_world_size,
+            )
+
+    def _run_strategy(self, name: str) -> StrategyResult:
         from unison.launch import spawn
 
         result = StrategyResult(name=name, status="ran", world_size=self.world_size, alt_world_size=self.alt_world_size)
@@ -842,24 +897,26 @@ class Suite:
         shutil.rmtree(self.diagnostics_dir(name), ignore_errors=True)
         # No world is started for a phase without runs (e.g. only the
         # declarations scenario was selected).
-        if self._has_runs(self._ctx(name, "strategy", "main")):
+        reshardable = bool(ownership.state_dict.reshardable)
+        main = self._ctx(name, "strategy", "main", reshardable=reshardable)
+        if self._has_runs(main):
             started = time.perf_counter()
             try:
-                result.traces = _merge_ranks(
-                    spawn(run_phase, self.world_size, self._ctx(name, "strategy", "main"), timeout=self.timeout)
-                )
-            except Exception as exc:
+                result.traces = _merge_ranks(spawn(run_phase, self.world_size, main, timeout=self.timeout))
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
                 result.world_errors["main"] = self._world_error(name, "main", exc)
             result.wall_s["world"] = time.perf_counter() - started
 
-        post = self._ctx(name, "reference", "main", cross_only=True)
+        post = self._ctx(name, "reference", "main", cross_only=True, reshardable=reshardable)
         if self._has_runs(post):
             started = time.perf_counter()
             result.reference_traces = run_phase(post)
             result.wall_s["reference_post"] = time.perf_counter() - started
 
-        needs_alt = self._has_runs(self._ctx(name, "strategy", "alt"))
-        if needs_alt and ownership.state_dict.reshardable and "main" not in result.world_errors:
+        needs_alt = self._has_runs(self._ctx(name, "strategy", "alt", reshardable=reshardable))
+        if needs_alt and "main" not in result.world_errors:
             started = time.perf_counter()
             try:
                 alt = _merge_ranks(
@@ -867,7 +924,9 @@ class Suite:
                 )
                 for scenario, runs in alt.items():
                     result.traces.setdefault(scenario, {}).update(runs)
-            except Exception as exc:
+            except BaseException as exc:
+                if isinstance(exc, KeyboardInterrupt):
+                    raise
                 result.world_errors["alt"] = self._world_error(name, "alt", exc)
             result.wall_s["alt_world"] = time.perf_counter() - started
         result.wall_s["total"] = sum(result.wall_s.values())

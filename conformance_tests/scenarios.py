@@ -154,10 +154,19 @@ def _frozen() -> torch.nn.Sequential:
     return model
 
 
+def _frozen_batchnorm() -> torch.nn.Sequential:
+    """The ``batchnorm`` model with its first layer frozen: resume checks buffers and frozen weights."""
+    model = _batchnorm()
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    return model
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mlp": _mlp,
     "batchnorm": _batchnorm,
     "frozen": _frozen,
+    "frozen_batchnorm": _frozen_batchnorm,
     "tied": TiedAutoencoder,
     "groups": _mlp,
 }
@@ -214,10 +223,18 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01),
     "adamw_groups": lambda params: torch.optim.AdamW(_split_groups(params)),
+    # Per-parameter state other than Adam's (a running average of squared gradients and a momentum
+    # buffer), created lazily at the first step like Adam's.
+    "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-2, momentum=0.5),
 }
 
 #: The class each optimizer factory returns (named in what a run needs).
-_OPTIMIZER_CLASSES = {"sgd": "torch.optim.SGD", "adamw": "torch.optim.AdamW", "adamw_groups": "torch.optim.AdamW"}
+_OPTIMIZER_CLASSES = {
+    "sgd": "torch.optim.SGD",
+    "adamw": "torch.optim.AdamW",
+    "adamw_groups": "torch.optim.AdamW",
+    "rmsprop": "torch.optim.RMSprop",
+}
 
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
     "step": lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
@@ -358,10 +375,15 @@ class Scenario:
     #: Save a checkpoint every N steps in every run; the canonical buffers are
     #: recorded at each one and compared with the reference's at the same step.
     checkpoint_every: int | None = None
+    #: Validate every N steps (and at the end) on :func:`~unison.conformance.validation.validation_data`;
+    #: ``val/loss`` is compared with the reference at every validation.
+    val_every: int | None = None
     #: ``"train"``: runs with the trainer; ``"declarations"``: the precision
     #: declarations are checked by constructing trainers (no training at all).
     kind: Literal["train", "declarations"] = "train"
-    #: Needs the strategy to declare a reshardable state_dict.
+    #: Needs the strategy to declare a reshardable state_dict: its checkpoint
+    #: resumes at another world size or under ``single`` (declared out, and not
+    #: run, for a strategy that declares it not reshardable).
     requires_reshardable: bool = False
     #: Premises checked on the reference, so a scenario cannot pass vacuously:
     #: ``"clips"`` (the pre-clip norm exceeds the clip value at every step,
@@ -417,6 +439,7 @@ class Scenario:
             # The suite's runs print nothing: its report is the output.
             "progress": "off",
             **({"checkpoint_every_n_steps": self.checkpoint_every} if self.checkpoint_every else {}),
+            **({"val_every_n_steps": self.val_every, "val_batch_size": 3} if self.val_every else {}),
             **dict(run.overrides),
         }
 
@@ -477,6 +500,14 @@ SCENARIOS: tuple[Scenario, ...] = (
         "MLP, fp32, one micro-batch per step, SGD with momentum",
         model="mlp",
         optimizer="sgd",
+    ),
+    Scenario(
+        "validation",
+        "val/loss every 2 steps on 25 samples, 3 per replica per batch: a short last batch (zero-weight stand-ins "
+        "on every rank but 0); the per-sample mean over all replicas at every validation",
+        model="mlp",
+        optimizer="sgd",
+        val_every=2,
     ),
     Scenario(
         "accumulation",
@@ -587,9 +618,29 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "resume",
-        "save at step 3, resume to step 6: equals the uninterrupted run (frozen layer, warmup)",
-        model="frozen",
+        "save at step 3, resume to step 6: equals the uninterrupted run, buffers included (frozen layer, "
+        "changing BatchNorm buffers, warmup)",
+        model="frozen_batchnorm",
         optimizer="adamw",
+        scheduler="warmup",
+        accumulate_grad_batches=2,
+        runs=_resume_runs(),
+    ),
+    Scenario(
+        "resume_sgd",
+        "save at step 3, resume to step 6 with SGD momentum under StepLR: the momentum buffers and the schedule "
+        "are restored",
+        model="mlp",
+        optimizer="sgd",
+        scheduler="step",
+        accumulate_grad_batches=2,
+        runs=_resume_runs(),
+    ),
+    Scenario(
+        "resume_rmsprop",
+        "save at step 3, resume to step 6 with RMSprop and momentum (per-parameter state other than Adam's), warmup",
+        model="mlp",
+        optimizer="rmsprop",
         scheduler="warmup",
         accumulate_grad_batches=2,
         runs=_resume_runs(),
@@ -597,11 +648,12 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "cross_resume",
         "a checkpoint of the strategy resumes under single, and a checkpoint of single under the strategy "
-        "(parameter groups, StepLR)",
+        "(parameter groups, StepLR; a world-size change, so declared reshardable)",
         model="groups",
         optimizer="adamw_groups",
         scheduler="step",
         accumulate_grad_batches=2,
+        requires_reshardable=True,
         runs=(
             Run("full", "reference"),
             Run("part", "reference", max_steps=RESUME_AT, save=True),

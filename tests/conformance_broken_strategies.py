@@ -188,6 +188,99 @@ class ForgetsOptimizerState(_DataParallel):
         set_model_state_dict(self.module, state["model"])
 
 
+class PerRankValidationMean(_DataParallel):
+    """Trains correctly; its ``reduce_sum`` treats the validation pair (a float64 ``(loss * weight, weight)``)
+    as one replica's mean to average: val/loss is the mean of replica means, not the per-sample mean."""
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        validation_pair = tensor.numel() == 2 and tensor.dtype == torch.float64
+        if not validation_pair or self.env is None or not self.env.distributed:
+            return super().reduce_sum(tensor)
+        # (sum of loss * weight, sum of weight) -> each replica's mean, averaged over replicas.
+        mean = (tensor[0] / tensor[1].clamp_min(1)).reshape(1).clone()
+        dist.all_reduce(mean)
+        return torch.stack([mean[0], torch.ones((), dtype=tensor.dtype) * dist.get_world_size()])
+
+
+class ForgetsMomentum(_DataParallel):
+    """Restores only Adam's state keys on resume (``step``, ``exp_avg``, ``exp_avg_sq``): SGD momentum and
+    RMSprop's averages start again from zero."""
+
+    ADAM_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+    def load_state(self, directory: Path) -> None:
+        super().load_state(directory)
+        assert self.optimizer is not None
+        for state in self.optimizer.state.values():
+            for key in [k for k in state if k not in self.ADAM_KEYS]:
+                del state[key]
+
+
+class RenamedCheckpoint(_DataParallel):
+    """Declares a reshardable DCP checkpoint but saves the model under its own top-level key.
+
+    It resumes its own checkpoints exactly; ``single`` loading one fails inside
+    ``torch.distributed.checkpoint`` with a ``CheckpointException`` (a
+    ``BaseException``, not an ``Exception``): the suite must report the cell,
+    not crash.
+    """
+
+    def save_state(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        assert self.module is not None and self.optimizer is not None
+        model, optim = get_state_dict(self.module, self.optimizer)
+        dcp.save({"weights": model, "optim": optim}, checkpoint_id=str(directory))
+
+    def load_state(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        assert self.module is not None and self.optimizer is not None
+        model, optim = get_state_dict(self.module, self.optimizer)
+        state = {"weights": model, "optim": optim}
+        dcp.load(state, checkpoint_id=str(directory))
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["weights"], optim_state_dict=state["optim"])
+
+
+class NotReshardable(_DataParallel):
+    """Correct, with a checkpoint declared not reshardable (the control: certified, cross-world scenarios
+    declared out). Each rank writes its own file, as a per-rank format would, and refuses a checkpoint
+    written at another world size."""
+
+    @property
+    def ownership(self) -> Ownership:
+        own = super().ownership
+        return Ownership(
+            grad_accumulation=own.grad_accumulation,
+            precision=_PRECISION,
+            state_dict=StateDictDeclaration(
+                StateDictKind.FULL, "torch.save per rank", False, "module.state_dict() on each rank"
+            ),
+            replica_init=self.replica_init,
+            refuses=self.refuses,
+        )
+
+    def _file(self, directory: Path) -> Path:
+        assert self.env is not None
+        return Path(directory) / f"rank{self.env.rank}-of-{self.env.world_size}.pt"
+
+    def save_state(self, directory: Path) -> None:
+        assert self.module is not None and self.optimizer is not None
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        torch.save({"model": self.module.state_dict(), "optim": self.optimizer.state_dict()}, self._file(directory))
+
+    def load_state(self, directory: Path) -> None:
+        assert self.module is not None and self.optimizer is not None
+        path = self._file(directory)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: a checkpoint of another world size (this format is not reshardable)")
+        state = torch.load(path, weights_only=True)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+
+
 BROKEN = {
     "refuses_quietly": (RefusesQuietly, "refuses accumulation and buffers without declaring it"),
     "refuses_declared": (RefusesDeclared, "refuses accumulation and buffers, declared"),
@@ -195,6 +288,10 @@ BROKEN = {
     "stale_buffers": (StaleBuffers, "runs the forward on copies of the buffers"),
     "every_step_claims_boundary": (EveryStepClaimsBoundary, "syncs every micro-step, declares boundary sync"),
     "forgets_optimizer_state": (ForgetsOptimizerState, "does not restore the optimizer state on resume"),
+    "per_rank_val_mean": (PerRankValidationMean, "validation loss: the mean of each replica's mean"),
+    "forgets_momentum": (ForgetsMomentum, "restores only Adam's optimizer state keys on resume"),
+    "renamed_checkpoint": (RenamedCheckpoint, "declares a DCP checkpoint single can load, saves other keys"),
+    "not_reshardable": (NotReshardable, "correct; per-rank checkpoint files declared not reshardable"),
 }
 
 

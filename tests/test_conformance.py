@@ -669,11 +669,16 @@ def test_cli_command_is_added_through_the_hook(tmp_path):
     assert "skipped" in out.output and "NOT CERTIFIED" in out.output
     assert (tmp_path / "report.html").exists()
     # Declarations only: no world is started, and the wrong strategy fails with exit status 1.
-    out = runner.invoke(
-        cli, ["conformance", "--strategy", WRONG, "--plugin", EXAMPLE_MODULE, "--scenario", "unsupported_precision"]
-    )
-    assert out.exit_code == 1, out.output
-    assert "FAIL" in out.output
+    # Without --report the report is still written, to ./conformance-report, and its path printed.
+    with runner.isolated_filesystem(temp_dir=tmp_path):
+        out = runner.invoke(
+            cli,
+            ["conformance", "--strategy", WRONG, "--plugin", EXAMPLE_MODULE, "--scenario", "unsupported_precision"],
+        )
+        assert out.exit_code == 1, out.output
+        assert "FAIL" in out.output
+        assert "report: conformance-report/report.html" in out.output.replace("\n", "")
+        assert Path("conformance-report/report.html").exists() and Path("conformance-report/report.json").exists()
 
 
 def test_pytest_plugin(pytester, monkeypatch):

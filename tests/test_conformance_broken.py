@@ -9,6 +9,7 @@ declared) is certified with those scenarios listed as declared out.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from unison.conformance.scenarios import SCENARIOS_BY_NAME, Sizing
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 PLUGIN = "conformance_broken_strategies"
-SCENARIOS = ["plain", "accumulation", "buffers", "replica_init", "resume"]
+SCENARIOS = ["plain", "validation", "accumulation", "buffers", "replica_init", "resume", "resume_sgd"]
 BROKEN = [
     "refuses_quietly",
     "refuses_declared",
@@ -30,6 +31,8 @@ BROKEN = [
     "stale_buffers",
     "every_step_claims_boundary",
     "forgets_optimizer_state",
+    "per_rank_val_mean",
+    "forgets_momentum",
 ]
 
 
@@ -63,8 +66,10 @@ def _statuses(report: SuiteReport, name: str) -> dict[str, str]:
 def test_an_undeclared_refusal_fails(report):
     v = report.verdicts["refuses_quietly"]
     statuses = _statuses(report, "refuses_quietly")
-    assert statuses["plain"] == statuses["replica_init"] == statuses["resume"] == PASS
+    assert statuses["plain"] == statuses["replica_init"] == PASS
     accumulation, buffers = v["accumulation"], v["buffers"]
+    # The resume scenario's model has buffers too (they are checked across the resume).
+    assert statuses["resume"] == FAIL and v["resume"].diagnosis.rule == "undeclared_refusal"
     assert accumulation.status == FAIL and buffers.status == FAIL
     assert accumulation.diagnosis.rule == "undeclared_refusal"
     assert "refused accumulate_grad_batches although it declares it supported" in accumulation.diagnosis.explanation
@@ -72,7 +77,7 @@ def test_an_undeclared_refusal_fails(report):
     # A model-level refusal (the strategy's own validate_model), undeclared.
     assert "refused model although it declares it supported" in buffers.diagnosis.explanation
     cert = report.certificate("refuses_quietly")
-    assert not cert.certified and {n for n, _ in cert.failed} == {"accumulation", "buffers"}
+    assert not cert.certified and {n for n, _ in cert.failed} == {"accumulation", "buffers", "resume"}
     assert report.exit_code == 1
 
 
@@ -80,17 +85,19 @@ def test_the_same_refusal_declared_is_declared_out(report):
     statuses = _statuses(report, "refuses_declared")
     assert statuses == {
         "plain": PASS,
+        "validation": PASS,
         "accumulation": DECLARED_OUT,
         "buffers": DECLARED_OUT,
         "replica_init": DECLARED_OUT,
         "resume": DECLARED_OUT,
+        "resume_sgd": DECLARED_OUT,
     }
     v = report.verdicts["refuses_declared"]
     assert "gradient_accumulation refused: accumulation is not implemented" in v["accumulation"].reason
     assert "buffers refused: models with buffers are not implemented" in v["buffers"].reason
     cert = report.certificate("refuses_declared")
-    assert cert.certified and cert.proven == ["plain"]
-    assert [n for n, _ in cert.declared_out] == ["accumulation", "buffers", "replica_init", "resume"]
+    assert cert.certified and cert.proven == ["plain", "validation"]
+    assert [n for n, _ in cert.declared_out] == ["accumulation", "buffers", "replica_init", "resume", "resume_sgd"]
     # The trainer refused accumulation from the declaration itself, before the strategy's validate ran.
     trace = next(r for r in report.results if r.name == "refuses_declared").traces["accumulation"]["main"]
     assert trace["refusal"]["type"] == "DeclaredRefusal" and trace["refusal"]["feature"] == "gradient_accumulation"
@@ -138,11 +145,64 @@ def test_divergence_only_after_resume(report):
     assert v.diagnosis.quantity == "lr (group 0)" and "optimizer state" in v.diagnosis.explanation
 
 
+def _margin(v) -> float:
+    """The deciding check's deviation over its tolerance."""
+    d = v.divergences[0]
+    return d.deviation / d.tolerance
+
+
+def test_a_per_replica_validation_mean_fails_validation_with_its_rule(report):
+    statuses = _statuses(report, "per_rank_val_mean")
+    # Training is untouched: only the validation scenario can see it.
+    assert statuses["plain"] == statuses["accumulation"] == statuses["resume"] == PASS
+    v = report.verdicts["per_rank_val_mean"]["validation"]
+    assert v.status == FAIL and v.diagnosis.rule == "validation", v.diagnosis.message()
+    assert v.divergences[0].quantity == "val/loss" and v.divergences[0].step == 2
+    assert _margin(v) >= 10, _margin(v)
+    assert not report.certificate("per_rank_val_mean").certified
+
+
+def test_momentum_lost_on_resume_fails_resume_sgd_only(report):
+    statuses = _statuses(report, "forgets_momentum")
+    assert statuses["plain"] == statuses["resume"] == PASS  # AdamW's state keys are all restored
+    v = report.verdicts["forgets_momentum"]["resume_sgd"]
+    assert v.status == FAIL and v.diagnosis.rule == "resume_state", v.diagnosis.message()
+    assert v.diagnosis.run == "strategy:resumed" and v.diagnosis.step == 4, v.diagnosis.message()
+    assert "optimizer state" in v.diagnosis.explanation
+    assert _margin(v) >= 10, _margin(v)
+    assert not report.certificate("forgets_momentum").certified
+
+
+def test_a_partial_run_says_so_and_certifies_nothing(report, tmp_path):
+    """Fewer scenarios than the full set: "PARTIAL: n of N scenarios", never "CERTIFIED"."""
+    import io
+
+    from rich.console import Console
+
+    from unison.conformance.scenarios import SCENARIOS as ALL
+
+    n, total = len(SCENARIOS), len(ALL)
+    cert = report.certificate("refuses_declared")
+    assert cert.partial and cert.label == f"partial: {n} of {total} scenarios"
+    assert cert.to_dict()["certified"] is False and cert.to_dict()["passed"] is True
+    assert cert.world_sizes == [2] and "proven at world size 2" in cert.summary
+    buf = io.StringIO()
+    report.print_table(Console(file=buf, width=300))
+    text = buf.getvalue()
+    assert f"refuses_declared: PARTIAL: {n} of {total} scenarios" in text
+    assert "CERTIFIED" not in text.replace("NOT CERTIFIED", "")
+    report.write(tmp_path)
+    html = (tmp_path / "report.html").read_text()
+    assert f"PARTIAL: {n} of {total} scenarios ran." in html and "Legend" in html
+    # No reshard scenario ran: the page claims no other world size.
+    assert "resharding checked at" not in html and "also resumed at" not in html
+
+
 def test_report_lists_proven_and_declared_out(report, tmp_path):
     report.write(tmp_path)
     html = (tmp_path / "report.html").read_text()
     assert 'id="certificate-refuses_declared"' in html
-    assert "Declared out (4)" in html and "Proven (1)" in html
+    assert "Declared out (5)" in html and "Proven (2)" in html
     assert "Likely cause: replicas did not start from the reference&#39;s weights" in html
 
 
@@ -199,3 +259,84 @@ def test_the_suites_runs_print_no_progress(capfd):
     out, err = capfd.readouterr()
     # Without it, plain progress prints "train step k/6 | loss ..." lines here (not a terminal).
     assert "train step" not in out + err
+
+
+# --------------------------------------------------------------------------- #
+# Checkpoint formats: one single cannot load, one declared not reshardable
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def checkpoint_report(tmp_path_factory) -> tuple[SuiteReport, Path]:
+    report_dir = tmp_path_factory.mktemp("conformance-checkpoints-report")
+    with Suite(
+        world_size=2,
+        scenarios=["resume", "cross_resume", "reshard"],
+        plugins=[PLUGIN],
+        timeout=300,
+        workdir=tmp_path_factory.mktemp("conformance-checkpoints"),
+    ) as suite:
+        report = certify(["renamed_checkpoint", "not_reshardable"], suite=suite, report_dir=report_dir)
+    return report, report_dir
+
+
+def test_a_reference_run_raising_a_base_exception_is_a_failed_cell_with_a_written_report(checkpoint_report):
+    """single cannot load the strategy's checkpoint: torch.distributed.checkpoint raises CheckpointException,
+    a BaseException subclass. The suite reports the cell and writes its report instead of crashing."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    assert not issubclass(CheckpointException, Exception)  # the premise: `except Exception` would not catch it
+    report, report_dir = checkpoint_report
+    result = next(r for r in report.results if r.name == "renamed_checkpoint")
+    trace = result.reference_traces["cross_resume"]["from_strategy"]
+    assert trace["status"] == "error" and "CheckpointException" in trace["error"]
+    assert "Missing key in checkpoint state_dict" in trace["error"]
+    v = report.verdicts["renamed_checkpoint"]["cross_resume"]
+    assert v.status == FAIL and v.diagnosis is not None
+    assert any(d.run == "reference:from_strategy" and "CheckpointException" in (d.note or "") for d in v.divergences)
+    # Its own checkpoints resume exactly: only the cross-backend cells fail.
+    assert report.verdicts["renamed_checkpoint"]["resume"].status == PASS
+    assert not report.certificate("renamed_checkpoint").certified and report.exit_code == 1
+    written = json.loads((report_dir / "report.json").read_text())
+    cell = next(s for s in written["strategies"] if s["name"] == "renamed_checkpoint")["verdicts"]["cross_resume"]
+    assert cell["status"] == FAIL and "CheckpointException" in json.dumps(cell)
+    assert 'id="certificate-renamed_checkpoint"' in (report_dir / "report.html").read_text()
+
+
+def test_a_strategy_declaring_its_checkpoint_not_reshardable_is_certified_with_cross_world_declared_out(
+    checkpoint_report,
+):
+    report, _ = checkpoint_report
+    statuses = _statuses(report, "not_reshardable")
+    assert statuses == {"resume": PASS, "cross_resume": DECLARED_OUT, "reshard": DECLARED_OUT}
+    cert = report.certificate("not_reshardable")
+    assert cert.certified and cert.proven == ["resume"]
+    assert [n for n, _ in cert.declared_out] == ["cross_resume", "reshard"]
+    assert all("not reshardable (torch.save per rank)" in why for _, why in cert.declared_out)
+    # Declared out means not run: no strategy world resumed another world size's checkpoint.
+    result = next(r for r in report.results if r.name == "not_reshardable")
+    assert set(result.traces) == {"resume"} and not result.reference_traces
+    # Buffers are checked across the same-world resume: the final state includes the BatchNorm buffers.
+    assert any("running_mean" in k for k in result.traces["resume"]["resumed"]["state"])
+
+
+def test_mutation_score_every_broken_strategy_caught_by_a_wide_margin(report, capsys):
+    """The suite's own mutation score: "N of N caught, smallest margin M", the control certified."""
+    from unison.conformance.mutation import score
+    from unison.conformance.report import _sanitize
+
+    broken = [n for n in BROKEN if n != "refuses_declared"]
+    result = score(_sanitize(report.to_dict()), broken, controls=["refuses_declared"])
+    line = result.line()
+    print(line)
+    assert result.ok and len(result.caught) == len(broken), line
+    assert line.startswith(f"{len(broken)} of {len(broken)} caught, smallest margin")
+    _, margin = result.smallest_margin
+    assert margin >= 10, line
+    # A broken strategy certified fails the score (and CI with it).
+    forged = _sanitize(report.to_dict())
+    forged["certificates"] = [
+        {**c, "failed": []} if c["strategy"] == "stale_buffers" else c for c in forged["certificates"]
+    ]
+    missed = score(forged, broken, controls=["refuses_declared"])
+    assert not missed.ok and missed.missed == ["stale_buffers"] and "CERTIFIED although broken" in missed.line()

@@ -1,0 +1,94 @@
+"""The suite's own mutation score: every deliberately broken strategy must be caught.
+
+Reads a written report (``report.json``) of a run over strategies known to be
+wrong, each with one defect, and prints ``N of N caught, smallest margin M``:
+a strategy is *caught* when its certificate failed (a scenario failed); its
+margin is the largest, over its failed scenarios, of the deciding check's
+deviation over its tolerance (``inf`` when every failure is categorical: an
+undeclared refusal, an error, a hook sequence or collective count). Exit
+status 1 when any of them was not caught, or when a control (a correct
+strategy among them) was not certified on the scenarios that ran::
+
+    python -m unison.conformance.mutation runs/conformance-broken --broken a,b,c --control d
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class MutationScore:
+    caught: dict[str, float]
+    missed: list[str]
+    controls_failed: list[str]
+
+    @property
+    def total(self) -> int:
+        return len(self.caught) + len(self.missed)
+
+    @property
+    def smallest_margin(self) -> tuple[str, float] | None:
+        if not self.caught:
+            return None
+        name = min(self.caught, key=lambda n: self.caught[n])
+        return name, self.caught[name]
+
+    def line(self) -> str:
+        text = f"{len(self.caught)} of {self.total} caught"
+        smallest = self.smallest_margin
+        if smallest is not None:
+            value = "inf (categorical)" if math.isinf(smallest[1]) else f"{smallest[1]:.3g}"
+            text += f", smallest margin {value} ({smallest[0]})"
+        if self.missed:
+            text += f"; CERTIFIED although broken: {', '.join(self.missed)}"
+        if self.controls_failed:
+            text += f"; correct control not certified: {', '.join(self.controls_failed)}"
+        return text
+
+    @property
+    def ok(self) -> bool:
+        return not self.missed and not self.controls_failed
+
+
+def score(report: dict[str, Any], broken: Sequence[str], controls: Sequence[str] = ()) -> MutationScore:
+    """The mutation score of ``report`` (the ``report.json`` dict) over ``broken`` strategies."""
+    certs = {c["strategy"]: c for c in report["certificates"]}
+    verdicts = {s["name"]: s["verdicts"] for s in report["strategies"]}
+    caught: dict[str, float] = {}
+    missed = []
+    for name in broken:
+        cert = certs.get(name)
+        if cert is None or not cert["failed"]:
+            missed.append(name)
+            continue
+        margins = [
+            v["margin"] if v.get("margin") is not None else math.inf
+            for v in verdicts[name].values()
+            if v["status"] == "fail"
+        ]
+        caught[name] = max(margins)
+    controls_failed = [n for n in controls if n not in certs or not certs[n].get("passed", certs[n]["certified"])]
+    return MutationScore(caught, missed, controls_failed)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m unison.conformance.mutation", description=__doc__)
+    parser.add_argument("report_dir", help="directory holding report.json")
+    parser.add_argument("--broken", required=True, help="comma-separated strategies that must not be certified")
+    parser.add_argument("--control", default="", help="comma-separated correct strategies that must pass")
+    args = parser.parse_args(argv)
+    report = json.loads((Path(args.report_dir) / "report.json").read_text())
+    result = score(report, [n for n in args.broken.split(",") if n], [n for n in args.control.split(",") if n])
+    print(result.line())
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
