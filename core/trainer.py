@@ -427,6 +427,8 @@ class Trainer:
         **settings: Any,
     ) -> None:
         self.settings = parse_settings(settings)
+        if self.settings.root_dir is not None:
+            runs.check_root(self.settings.root_dir)  # before the default loggers open it
         if nonfinite not in ("raise", "skip", "continue"):
             raise ConfigurationError("nonfinite", f"unknown policy {nonfinite!r}", "use 'raise', 'skip' or 'continue'")
         if (
@@ -458,8 +460,6 @@ class Trainer:
         self.data: TrainData | None = None
         s = self.settings
         self.checkpointer = Checkpointer(s.checkpoint_dir, s.keep_last_n_checkpoints) if s.checkpoint_dir else None
-        if s.root_dir is not None:
-            runs.check_root(s.root_dir)
         #: This fit's ``root_dir/version_N`` (``None`` without a ``root_dir``); see :mod:`unison.runs`.
         self.run_dir: Path | None = None
         #: ``{"step": N, "checkpoint": PATH}`` of the checkpoint this fit resumes from, or ``None``.
