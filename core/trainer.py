@@ -670,6 +670,14 @@ class Trainer:
                 runs.agree(self)  # ranks of a bare torchrun take rank 0's fresh version
                 self._fit(model, optimizer, lr_scheduler, val, ckpt_path)
         except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and self.checkpointer is not None and self.is_global_zero:
+                # Ctrl-C stops at once (SIGTERM stops at a step boundary and saves): name what is committed.
+                latest = self.checkpointer.latest()
+                print(
+                    f"unison: interrupted after step {self.global_step}; last committed checkpoint: {latest}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.pm.unison_on_exception(trainer=self, exception=exc)
             raise
         finally:
