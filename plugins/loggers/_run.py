@@ -6,6 +6,12 @@ the highest existing version, and the directory is created with a plain
 ``mkdir`` (no ``exist_ok``) in a loop, so two runs starting at the same moment
 under the same root get different versions instead of sharing one.
 
+When ROOT is the trainer's ``root_dir``, the loggers write into the
+trainer's own ``version_N`` instead (:mod:`unison.runs` chose it, next to the
+run's checkpoints); a run that resumes it continues its files after the
+resumed step (:attr:`RunDirectory.resume_step`) and ``run.json`` keeps its
+first start and lists every resume.
+
 Every logger of a run shares one :class:`RunDirectory` (loggers given the same
 root string share it too), so ``metrics.jsonl``, ``metrics.csv`` and the
 TensorBoard events of one fit land side by side in the same version.
