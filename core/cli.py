@@ -161,8 +161,8 @@ def run(nproc: int | None, cluster: str | None, args: tuple[str, ...]) -> None:
     "--resume",
     default=None,
     metavar="auto|PATH",
-    help="Resume: 'auto' = the newest committed checkpoint in checkpoint_dir, or a fresh start if none; "
-    "or a checkpoint directory.",
+    help="Resume: 'auto' = the newest run's last committed checkpoint (root_dir) or the newest in "
+    "checkpoint_dir, or a fresh start if none; or a checkpoint directory.",
 )
 @click.option(
     "--max-restarts",
@@ -231,6 +231,10 @@ def train(
         build_strategy(run_config.trainer, pm, nproc * int(nodes) if nodes.isdigit() else nproc)
         resolve_run(run_config, base)  # every factory, file and keyword
         _config_plugins(run_config, base, pm)  # loggers and callbacks: constructing them checks their options
+        if not multi_node:  # (nodes each launch: there rank 0 chooses the run directory for all)
+            from unison.runs import choose_for_workers
+
+            choose_for_workers(run_config.trainer, resume)  # refusals once, here; one version_N for every rank
         # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
         argv = [
             "train",
@@ -269,8 +273,10 @@ def _train_here(config_path: str, overrides: dict[str, Any], resume: str | None 
         console.print(f"final train loss: {last['loss']:.4f}" if last else "no step was run")
         if trainer.last_validation is not None:
             console.print(f"final validation loss: {trainer.last_validation['val/loss']:.4f}")
-        if trainer.checkpointer is not None and trainer.checkpointer.latest() is not None:
-            console.print(f"checkpoint: {trainer.checkpointer.latest()}")
+        if progress.checkpoint is not None:
+            console.print(f"checkpoint: {progress.checkpoint}")
+        if progress.run_dir is not None:
+            console.print(f"run: {progress.run_dir}")
 
 
 def _config_plugins(config: Any, base: Any, pm: PluginManager) -> list[Any]:

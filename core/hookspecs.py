@@ -353,8 +353,10 @@ def unison_default_plugins(settings: Any, plugins: list[Any]) -> list[Any]:
     Called by :class:`~unison.Trainer` once, in its constructor (on every
     rank, before any process group exists), after the plugins passed as
     ``callbacks=``/``loggers=`` were registered. This is how the Python API
-    gets a progress display (``settings.progress``) and throughput metrics
-    (``settings.throughput``) without the core importing any plugin.
+    gets a progress display (``settings.progress``), throughput metrics
+    (``settings.throughput``) and, with a ``settings.root_dir`` and no logger
+    of its own, JSONL and CSV metrics in its run directory, without the core
+    importing any plugin.
 
     Args:
         settings: the Trainer's :class:`~unison.TrainerSettings`.

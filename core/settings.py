@@ -48,8 +48,10 @@ class TrainerSettings(pydantic.BaseModel):
     """Validate every N steps; with a val_dataset, always once at the end."""
     val_batch_size: int = pydantic.Field(32, ge=1)
     """Validation samples per rank per forward."""
+    root_dir: str | None = None
+    """Runs' home: each fit writes into a new ``root_dir/version_N`` (checkpoints, metrics; see ``unison.runs``)."""
     checkpoint_dir: str | None = None
-    """Where checkpoints go; ``None`` writes none."""
+    """Exactly where checkpoints go; ``None``: ``root_dir/version_N/checkpoints`` with a root_dir, else none."""
     checkpoint_every_n_steps: int | None = pydantic.Field(None, ge=1)
     """Save every N steps (and always at the end when checkpoint_dir is set)."""
     keep_last_n_checkpoints: int | None = pydantic.Field(None, ge=1)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from unison import runs
 from unison.checkpoint import Checkpointer, check_resume_step, resume_point
 from unison.data import TrainData, check_divisible, is_map_style, resolve_source, validation_stream
 from unison.env import DistEnv, device_for, resolve_accelerator, world_from_env
@@ -146,6 +148,13 @@ class StepOutput:
 
 @dataclass
 class Progress:
+    """Where training stands: ``trainer.progress``, and what :meth:`Trainer.fit` returns.
+
+    The step counters are saved in checkpoints and restored on resume;
+    ``metrics``, ``checkpoint`` and ``run_dir`` describe the fit that
+    returned (on every rank; file loggers write rank 0's metrics).
+    """
+
     global_step: int = 0
     """Optimizer steps attempted (global batches consumed)."""
     optimizer_steps: int = 0
@@ -155,6 +164,12 @@ class Progress:
     """Steps skipped (fp16 overflow, or a non-finite step under ``nonfinite='skip'``)."""
     history: deque = field(default_factory=lambda: deque(maxlen=HISTORY_LENGTH), repr=False, compare=False)
     """The last steps' :class:`StepOutput` values (bounded; not saved in checkpoints)."""
+    metrics: dict[str, Any] = field(default_factory=dict, compare=False)
+    """The latest value of every metric sent to the loggers (``train/loss``, ``val/loss``, throughput, yours)."""
+    checkpoint: str | None = field(default=None, compare=False)
+    """The newest checkpoint committed when ``fit`` returned (``None`` without checkpoints)."""
+    run_dir: str | None = field(default=None, compare=False)
+    """This fit's ``root_dir/version_N`` (``None`` without a ``root_dir``)."""
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -412,6 +427,8 @@ class Trainer:
         **settings: Any,
     ) -> None:
         self.settings = parse_settings(settings)
+        if self.settings.root_dir is not None:
+            runs.check_root(self.settings.root_dir)  # before the default loggers open it
         if nonfinite not in ("raise", "skip", "continue"):
             raise ConfigurationError("nonfinite", f"unknown policy {nonfinite!r}", "use 'raise', 'skip' or 'continue'")
         if (
@@ -443,6 +460,10 @@ class Trainer:
         self.data: TrainData | None = None
         s = self.settings
         self.checkpointer = Checkpointer(s.checkpoint_dir, s.keep_last_n_checkpoints) if s.checkpoint_dir else None
+        #: This fit's ``root_dir/version_N`` (``None`` without a ``root_dir``); see :mod:`unison.runs`.
+        self.run_dir: Path | None = None
+        #: ``{"step": N, "checkpoint": PATH}`` of the checkpoint this fit resumes from, or ``None``.
+        self.resumed_from: dict[str, Any] | None = None
         self._owns_process_group = False
         self._control_group: Any = None
         self._guard: RunGuard | None = None  # set for the duration of fit
@@ -456,7 +477,9 @@ class Trainer:
         self._consecutive_skips = 0
         self.loss_fn: LossFn | None = None
         self.training_step: TrainingStep | None = None
-        #: Metrics of the most recent validation loop, or ``None``.
+        #: Metrics of the most recent validation loop (``{"val/loss": mean loss over the whole
+        #: validation set, weighted by samples, all ranks reduced}``, the same on every rank), or
+        #: ``None`` before the first validation. ``fit`` validates at the end when given a val_dataset.
         self.last_validation: dict[str, float] | None = None
         self.pm.unison_on_trainer_init(trainer=self)
 
@@ -553,17 +576,26 @@ class Trainer:
                 e.g. a Hugging Face data collator; also used for validation.
             ckpt_path: where to resume from. ``"auto"``: the newest committed
                 checkpoint in ``checkpoint_dir`` that verifies, or a fresh
-                start when there is none (write a job once, restart it blindly).
-                ``"last"``: the newest committed one, which must exist and
-                verify. A path: that checkpoint. ``None``: start fresh, which
-                ``checkpoint_dir`` must allow (it holds no other run's
-                checkpoints).
+                start when there is none (write a job once, restart it blindly);
+                with a ``root_dir``, the newest run's, continued in its
+                ``version_N`` (see :mod:`unison.runs`). ``"last"``: the newest
+                committed one, which must exist and verify. A path: that
+                checkpoint. ``None``: start fresh: a new ``version_N`` under
+                ``root_dir``; an explicit ``checkpoint_dir`` must then hold no
+                other run's checkpoints. A resume prints ``resuming from step
+                N: PATH`` once (rank 0, stderr).
             count_tokens: batch -> tokens, replacing the rule of
                 :func:`unison.batch.count_tokens` for throughput metrics.
 
         On SIGTERM or SIGUSR1 every rank finishes the current optimizer step,
         a checkpoint is committed (with ``checkpoint_dir``) and ``fit`` raises
         :class:`unison.lifecycle.Preempted`, a ``SystemExit`` with code 75.
+
+        Returns:
+            :class:`Progress` (also ``trainer.progress``): the step counters,
+            ``metrics`` (the latest value of every logged metric, e.g.
+            ``train/loss`` and ``val/loss``), ``checkpoint`` (the newest
+            committed checkpoint, or ``None``) and ``run_dir``.
         """
         s = self.settings
         rank, world_size, _ = world_from_env()
@@ -589,9 +621,11 @@ class Trainer:
             _check_loss_fn(loss_fn)
             _refuse(self.strategy, Feature.LOSS_FN, "loss_fn", "use training_step=lambda model, batch: ...")
         if ckpt_path is not None:
-            if str(ckpt_path) in ("last", "auto") and self.checkpointer is None:
+            if str(ckpt_path) in ("last", "auto") and self.checkpointer is None and s.root_dir is None:
                 raise ConfigurationError(
-                    "ckpt_path", f"{str(ckpt_path)!r} needs a checkpoint_dir", "set checkpoint_dir or pass a path"
+                    "ckpt_path",
+                    f"{str(ckpt_path)!r} needs a root_dir or checkpoint_dir",
+                    "set root_dir (or checkpoint_dir), or pass a path",
                 )
             _refuse(self.strategy, Feature.RESUME, "ckpt_path", "start without ckpt_path")
         model = _build_model(model, s.seed)
@@ -617,6 +651,7 @@ class Trainer:
         )
         self._check_first_batch(data.first_micro_batch(), loss_fn is not None)
         val = self._resolve_validation(val_dataset, collate_fn) if val_dataset is not None else None
+        runs.prepare(self, ckpt_path, world_size)  # the run directory; its checkpointer; what it resumes
         if self.checkpointer is not None:
             self.checkpointer.preflight(ckpt_path, s.max_steps)  # writable; the resume point exists, within max_steps
             self.checkpointer.claim(ckpt_path)  # never write into another run's checkpoints
@@ -632,8 +667,17 @@ class Trainer:
         try:
             with self._guard:  # SIGTERM/SIGUSR1 -> stop at a step boundary; first error to torchrun
                 self.env = self._setup_environment()
+                runs.agree(self)  # ranks of a bare torchrun take rank 0's fresh version
                 self._fit(model, optimizer, lr_scheduler, val, ckpt_path)
         except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt) and self.checkpointer is not None and self.is_global_zero:
+                # Ctrl-C stops at once (SIGTERM stops at a step boundary and saves): name what is committed.
+                latest = self.checkpointer.latest()
+                print(
+                    f"unison: interrupted after step {self.global_step}; last committed checkpoint: {latest}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.pm.unison_on_exception(trainer=self, exception=exc)
             raise
         finally:
@@ -714,6 +758,10 @@ class Trainer:
         if self._pending_metrics:
             self._emit(self._pending_metrics)
             self._pending_metrics = {}
+        if self.checkpointer is not None:
+            latest = self.checkpointer.latest()
+            self.progress.checkpoint = str(latest) if latest is not None else None
+        self.progress.run_dir = str(self.run_dir) if self.run_dir is not None else None
         # Kept so that full_state_dict() works after fit tore the strategy down.
         self._final_state = self.strategy.full_state_dict()
         hook.unison_on_fit_end(trainer=self)
@@ -971,6 +1019,7 @@ class Trainer:
 
     def _emit(self, metrics: dict[str, Any]) -> None:
         plain = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+        self.progress.metrics.update(plain)
         self.pm.unison_log_metrics(trainer=self, metrics=plain, step=self.progress.global_step)
 
     # -- state ----------------------------------------------------------------- #
@@ -1044,3 +1093,6 @@ class Trainer:
             # the seed and the step so the run stays deterministic.
             seed_everything(self.settings.seed + self.progress.global_step + 7919 * self.env.rank)
         self.pm.unison_on_load_checkpoint(trainer=self, checkpoint=trainer_state)
+        self.resumed_from = {"step": self.progress.global_step, "checkpoint": str(path)}
+        if self.env.rank == 0:
+            print(f"unison: resuming from step {self.progress.global_step}: {path}", file=sys.stderr, flush=True)

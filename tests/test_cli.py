@@ -77,4 +77,4 @@ def test_example_trains_end_to_end(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "runs/tinylm/version_0/metrics.jsonl").read_text().splitlines()]
     losses = [line["train/loss"] for line in lines if "train/loss" in line]
     assert losses[-1] < losses[0] < 6.0  # it learns from ln(256)=5.5
-    assert (tmp_path / "runs/tinylm/checkpoints/latest").read_text().strip() == "step-00000030"
+    assert (tmp_path / "runs/tinylm/version_0/checkpoints/latest").read_text().strip() == "step-00000030"

@@ -288,4 +288,6 @@ def test_ctrl_c_during_a_save_is_an_interrupt_and_the_previous_checkpoint_verifi
     assert proc.returncode == -signal.SIGINT, stderr[-3000:]
     assert "KeyboardInterrupt" in stderr and "CheckpointException" not in stderr
     assert Checkpointer(ckpt).latest() == ckpt / "step-00000001"
+    assert f"last committed checkpoint: {ckpt / 'step-00000001'}" in stderr  # named, once
+    assert stderr.count("last committed checkpoint") == 1
     verify(LocalStorage(), ckpt / "step-00000001")

@@ -23,6 +23,7 @@ from unison.plugins.loggers import (
     WandbLogger,
     loggers_from_config,
     new_version,
+    read_csv,
 )
 from unison.plugins.loggers.tensorboard_logger import read_text
 
@@ -208,10 +209,10 @@ def test_missing_logger_package_fails_before_any_worker_starts(tmp_path):
     assert "torch.distributed" not in out.stderr and not (tmp_path / "r").exists()
 
 
-def test_two_runs_of_the_example_make_two_complete_run_directories(tmp_path):
-    """A run and its resumed continuation: each gets its own run directory, never appending to the other's."""
+def test_a_resume_continues_its_run_and_a_rerun_makes_a_new_one(tmp_path):
+    """A run and its resumed continuation are one series in one version_N; running again starts version_1."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for extra in (["--max-steps", "20"], ["--max-steps", "40", "--resume", "auto"]):
+    for extra in (["--max-steps", "20"], ["--max-steps", "40", "--resume", "auto"], ["--max-steps", "20"]):
         out = subprocess.run(
             [sys.executable, "-m", "unison.cli", "train", str(ROOT / "examples" / "tinylm.toml"), *extra],
             cwd=tmp_path,
@@ -223,16 +224,21 @@ def test_two_runs_of_the_example_make_two_complete_run_directories(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
     root = tmp_path / "runs" / "tinylm"
     assert sorted(p.name for p in root.glob("version_*")) == ["version_0", "version_1"]
-    for version, steps in (("version_0", [10, 20]), ("version_1", [30, 40])):
+    for version, steps in (("version_0", [10, 20, 30, 40]), ("version_1", [10, 20])):
         run = root / version
         jsonl, csv, tb = jsonl_metrics(run), csv_metrics(run), tensorboard_metrics(run)
-        # log_every_n_steps = 10 in the example; validation at the end; the second run resumed at step 20
+        # log_every_n_steps = 10 in the example; validation at the end; the resume continued at step 20
         assert sorted(jsonl) == sorted(csv) == sorted(tb) == steps
+        assert [row["step"] for row in read_csv(run / "metrics.csv")] == steps  # no step twice
         same(csv, jsonl)
         same(tb, jsonl)
         assert {"train/loss", "val/loss", "perf/tokens_per_s"} <= set(jsonl[steps[-1]])
         meta = json.loads((run / "run.json").read_text())
         assert meta["config"]["trainer"]["max_steps"] == steps[-1] and meta["config"]["logging"]["dir"] == "runs/tinylm"
+        assert sorted(p.name for p in (run / "checkpoints").glob("step-*"))[-1] == f"step-{steps[-1]:08d}"
+    resumed = json.loads((root / "version_0" / "run.json").read_text())
+    assert resumed["resumed_from"]["step"] == 20 and [r["step"] for r in resumed["resumes"]] == [20]
+    assert json.loads((root / "version_1" / "run.json").read_text())["resumed_from"] is None
 
 
 def test_trainer_log_from_training_step_reaches_the_loggers_at_logging_steps(tmp_path):

@@ -14,7 +14,10 @@ them as ``Trainer(loggers=[...])``, or enable them in a config file's
     [logging.wandb]              # offline by default: version_N/wandb/
     project = "tinylm"
 
-Loggers given the same directory share one version per fit. Global rank 0
+Loggers given the same directory share one version per fit; given the
+trainer's ``root_dir``, they write into the trainer's own ``version_N`` (next
+to its checkpoints), and a Trainer with a ``root_dir`` and no logger gets
+JSONL and CSV metrics there by default. Global rank 0
 writes (every rank receives the same, already reduced, metrics), at the
 trainer's step, so every backend numbers them alike. A logger whose package
 is missing raises :class:`~unison.ConfigurationError` naming the extra to
@@ -27,6 +30,7 @@ from typing import Any
 
 from unison.plugin import hookimpl
 
+from ._base import RunLogger
 from ._run import RunDirectory, new_version, run_metadata
 from .csv_logger import CSVLogger, read_csv
 from .jsonl import JSONLLogger, read_jsonl
@@ -78,3 +82,12 @@ def loggers_from_config(config: Any) -> list[Any]:
 @hookimpl
 def unison_plugins_from_config(config: Any) -> list[Any]:
     return loggers_from_config(config)
+
+
+@hookimpl
+def unison_default_plugins(settings: Any, plugins: list[Any]) -> list[Any]:
+    """JSONL and CSV metrics into the run directory of a Trainer with a ``root_dir`` and no logger of its own."""
+    if settings.root_dir is None or any(isinstance(p, RunLogger) for p in plugins):
+        return []
+    run = RunDirectory.get(settings.root_dir)
+    return [JSONLLogger(run), CSVLogger(run)]

@@ -6,6 +6,12 @@ the highest existing version, and the directory is created with a plain
 ``mkdir`` (no ``exist_ok``) in a loop, so two runs starting at the same moment
 under the same root get different versions instead of sharing one.
 
+When ROOT is the trainer's ``root_dir``, the loggers write into the
+trainer's own ``version_N`` instead (:mod:`unison.runs` chose it, next to the
+run's checkpoints); a run that resumes it continues its files after the
+resumed step (:attr:`RunDirectory.resume_step`) and ``run.json`` keeps its
+first start and lists every resume.
+
 Every logger of a run shares one :class:`RunDirectory` (loggers given the same
 root string share it too), so ``metrics.jsonl``, ``metrics.csv`` and the
 TensorBoard events of one fit land side by side in the same version.
@@ -34,7 +40,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import re
 import shutil
 import sys
 import tempfile
@@ -47,10 +52,10 @@ from typing import Any, ClassVar
 import torch
 
 from unison.errors import ConfigurationError
+from unison.runs import new_version
 from unison.storage import LocalStorage, open_storage, split_url
 
 RUN_FILE = "run.json"
-_VERSION = re.compile(r"version_(\d+)")
 #: Distributions whose versions are recorded when installed (read from metadata, never imported).
 _PACKAGES = (
     "unison",
@@ -114,6 +119,9 @@ class RunDirectory:
         self.upload_every_s = float(upload_every_s)
         self.path: Path | None = None
         self.metadata: dict[str, Any] | None = None
+        #: The step the open run resumed from when it continues its own version's files, else ``None``:
+        #: file loggers then keep the rows up to it and append.
+        self.resume_step: int | None = None
         self._users = 0
         self._uploaded: dict[str, tuple[int, int]] = {}
         self._last_upload = 0.0
@@ -145,9 +153,29 @@ class RunDirectory:
     def open(self, trainer: Any) -> Path:
         """The current fit's version directory, created (with ``run.json``) by the first caller."""
         if self._users == 0:
-            taken = self._storage.list_dir(self.remote) if self.remote is not None else []
-            self.path = new_version(self.root, taken)
+            run_dir = getattr(trainer, "run_dir", None)
+            resumed = getattr(trainer, "resumed_from", None)
+            self.resume_step = None
+            if self.remote is None and run_dir is not None and Path(run_dir).parent == self.root.absolute():
+                # The trainer's own run directory (root_dir): one version holds the run's checkpoints and metrics.
+                self.path = Path(run_dir)
+                self.path.mkdir(parents=True, exist_ok=True)
+                previous = _read_run_file(self.path)
+                if previous is not None and resumed is not None:
+                    self.resume_step = int(resumed["step"])  # continuing this run: its series goes on
+            else:
+                previous = None
+                taken = self._storage.list_dir(self.remote) if self.remote is not None else []
+                self.path = new_version(self.root, taken)
             self.metadata = run_metadata(trainer, self.config, run=self.path.name)
+            self.metadata["resumed_from"] = resumed
+            if previous is not None:
+                # One record per run: its first start stays; each resume is appended.
+                self.metadata["started"] = previous.get("started", self.metadata["started"])
+                self.metadata["resumes"] = [
+                    *previous.get("resumes", []),
+                    {**(resumed or {}), "at": run_metadata_time(), "command": sys.argv},
+                ]
             (self.path / RUN_FILE).write_text(json.dumps(self.metadata, indent=2, sort_keys=True, default=str) + "\n")
             self._uploaded = {}
             self.upload(final=True)  # claims version_N in object storage before anything is logged
@@ -200,22 +228,15 @@ class RunDirectory:
         return True
 
 
-def new_version(root: Path, taken: list[str] | tuple[str, ...] = ()) -> Path:
-    """Create and return ``root/version_N`` with N above every existing version (race-free locally).
+def _read_run_file(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
-    ``taken`` adds names held elsewhere (the versions already in object storage).
-    """
-    root.mkdir(parents=True, exist_ok=True)
-    names = [p.name for p in root.iterdir()] + list(taken)
-    numbers = [int(m.group(1)) for name in names if (m := _VERSION.fullmatch(name))]
-    n = max(numbers, default=-1) + 1
-    while True:
-        path = root / f"version_{n}"
-        try:
-            path.mkdir()  # fails if a concurrent run took this number first
-            return path
-        except FileExistsError:
-            n += 1
+
+def run_metadata_time() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def package_versions() -> dict[str, str]:
@@ -239,7 +260,7 @@ def run_metadata(trainer: Any, config: dict[str, Any] | None = None, run: str | 
     env = getattr(trainer, "env", None)
     return {
         "run": run,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "started": run_metadata_time(),
         "config": config if config is not None else {"trainer": trainer.settings.model_dump(mode="json")},
         "strategy": {"name": trainer.strategy.name, "ownership": trainer.ownership.to_dict()},
         "world_size": env.world_size if env is not None else 1,

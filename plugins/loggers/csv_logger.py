@@ -42,6 +42,25 @@ class CSVLogger(RunLogger):
     def _start(self, trainer: Any, metadata: dict[str, Any]) -> None:
         assert self.file is not None
         self._columns, self._row = ["step", "time"], None
+        resume_step = self.run.resume_step if self.run is not None else None
+        if resume_step is not None and self.file.exists():
+            # The run's own file, resumed at resume_step: rows after it are trained again; the
+            # resumed step's row stays open, so metrics logged at that step again join it.
+            with self.file.open(newline="") as f:
+                reader = csv.DictReader(f)
+                self._columns = list(reader.fieldnames or self._columns)
+                rows = [r for r in reader if r.get("step", "").isdigit() and int(r["step"]) <= resume_step]
+            if rows and int(rows[-1]["step"]) == resume_step:
+                last = rows.pop()
+                self._row = {k: v for k, v in last.items() if v != ""}
+                self._row["step"] = resume_step
+            tmp = self.file.with_suffix(".csv.tmp")
+            with tmp.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=self._columns, restval="")
+                writer.writeheader()
+                writer.writerows(rows)
+            os.replace(tmp, self.file)
+            return
         with self.file.open("x", newline="") as f:  # "x": never another run's file
             csv.writer(f).writerow(self._columns)
 

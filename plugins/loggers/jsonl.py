@@ -3,7 +3,9 @@
 Each line is ``{"step": N, "time": unix_seconds, **metrics}``; the metrics of
 one step may span several lines (training metrics, then validation). Floats
 are written with ``repr`` precision, so values read back are exactly the
-trainer's. Read a file back with :func:`read_jsonl`.
+trainer's. Read a file back with :func:`read_jsonl`. A run that resumes its own
+version (``root_dir``, see :mod:`unison.runs`) keeps the lines up to the
+step it resumed from and appends: one series, no step twice.
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ class JSONLLogger(RunLogger):
 
     def _start(self, trainer: Any, metadata: dict[str, Any]) -> None:
         assert self.file is not None
+        resume_step = self.run.resume_step if self.run is not None else None
+        if resume_step is not None and self.file.exists():
+            # The run's own file, resumed at resume_step: the steps after it are trained again.
+            kept = [line for line in self.file.read_text().splitlines(keepends=True) if _step(line) <= resume_step]
+            tmp = self.file.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.file)
+            self._file = self.file.open("a", buffering=1)
+            return
         # "x": a run never appends to (or replaces) another run's file.
         self._file = self.file.open("x", buffering=1)
 
@@ -52,6 +63,13 @@ class JSONLLogger(RunLogger):
         if self._file is not None:
             self._file.close()
             self._file = None
+
+
+def _step(line: str) -> float:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return math.inf  # a torn last line of a killed run: dropped
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

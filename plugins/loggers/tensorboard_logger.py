@@ -39,7 +39,10 @@ class TensorBoardLogger(RunLogger):
         from torch.utils.tensorboard import SummaryWriter
 
         assert self.path is not None
-        self._writer = SummaryWriter(log_dir=str(self.path / SUBDIR), flush_secs=self.flush_secs)
+        resume_step = self.run.resume_step if self.run is not None else None
+        # A run continuing its own version: TensorBoard drops the events after the resumed step.
+        purge = resume_step + 1 if resume_step is not None else None
+        self._writer = SummaryWriter(log_dir=str(self.path / SUBDIR), flush_secs=self.flush_secs, purge_step=purge)
         text = json.dumps(metadata, indent=2, sort_keys=True, default=str)
         # Markdown code block: the text plugin renders it verbatim.
         self._writer.add_text("run/metadata", "```\n" + text + "\n```", global_step=0)
