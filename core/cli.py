@@ -297,6 +297,10 @@ def main(argv: list[str] | None = None) -> None:
         # Ctrl-C: the shell's convention (128 + SIGINT), so scripts can tell an interrupt from a failure
         sys.exit(130 if isinstance(exc.__cause__, KeyboardInterrupt) else 1)
     except UnisonError as exc:
+        if "LOCAL_RANK" in os.environ:  # a worker: recorded for the launcher's one report (or printed once)
+            from unison.lifecycle import report_worker_failure
+
+            sys.exit(report_worker_failure(exc))
         # escape: messages name extras like unison[tensorboard], which rich would read as markup
         console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(2)

@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import pickle
 import signal
@@ -22,11 +24,13 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.multiprocessing as mp
+
+from unison.errors import ConfigurationError
 
 
 def free_port() -> int:
@@ -61,7 +65,7 @@ def run_script(
     torchrun_args: Sequence[str] = (),
     cluster: str | None = None,
 ) -> int:
-    """Run ``script`` under torchrun with ``nproc`` processes on this node; return its exit code.
+    """Run ``script`` under torchrun with ``nproc`` processes on this node; return the job's exit code.
 
     What it does beyond plain torchrun, and why:
 
@@ -76,14 +80,21 @@ def run_script(
       refused. With it every attempt gets a fresh store.
     * SIGUSR1 is forwarded to the workers with SIGTERM (SLURM sends it before
       the time limit), so they commit a checkpoint and stop.
-    * A failure is reported as one line per failed rank, the first failure
-      first (from the error each worker's trainer records), instead of
-      torchrun's stack trace and table; the exit code is the first failure's
-      (128 + N for signal N; 75 when every failed rank stopped on request).
+    * Each worker runs the script through :mod:`unison.worker`, which records
+      the exception that ends it instead of printing it; the launcher prints
+      one report for the job (:func:`summarize_failures`): the first real
+      failure's message or traceback, one line per other rank, and exits with
+      the first failure's code (2 for a ConfigurationError, 1 for an
+      exception, 3 for a rank the watchdog found stalled, 128 + N for signal
+      N, 75 when the workers stopped on request). The SIGTERM torchrun sends
+      the surviving workers after a failure is never reported as a failure.
+      ``--no-python`` scripts run as given.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from unison.lifecycle import LAUNCHER_ENV
 
     nproc, torchrun_args, launch = cluster_launch(nproc, torchrun_args, cluster)
     if launch.environment != "torchrun":
@@ -94,65 +105,218 @@ def run_script(
             flush=True,
         )
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    torchrun_args = list(torchrun_args)
+    target = [script, *script_args]
+    if not any(a in ("--no-python", "--no_python") for a in torchrun_args):
+        as_module = [a for a in torchrun_args if a in ("--module", "-m")]
+        torchrun_args = [a for a in torchrun_args if a not in as_module]
+        target = ["unison.worker", *(["--module"] if as_module else []), *target]
+        torchrun_args.append("--module")
     argv = [f"--nproc-per-node={nproc}", *torchrun_args]
     if not any(a.startswith(("--rdzv", "--master", "--nnodes", "--standalone")) for a in torchrun_args):
         argv.insert(0, "--standalone")  # single node, free port, no rendezvous server to run
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in torchrun_args):
         argv.append(f"--signals-to-handle={_SIGNALS_TO_HANDLE}")
-    argv += [script, *script_args]
+    argv += target
+    previous = os.environ.get(LAUNCHER_ENV)
+    os.environ[LAUNCHER_ENV] = "1"  # the workers record their errors; the report is printed here
     try:
-        # torchrun.run, not torchrun.main: main's @record prints the failure
-        # table and a stack trace of the launcher itself.
-        torchrun.run(torchrun.parse_args(argv))
+        with _watch_torchrun() as failed_before_close:
+            # torchrun.run, not torchrun.main: main's @record prints the failure
+            # table and a stack trace of the launcher itself.
+            torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as exc:
-        code, lines = summarize_failures(exc.failures)
+        code, lines = summarize_failures(exc.failures, failed_before_close)
         print("\n".join(lines), file=sys.stderr, flush=True)
         return code
     except SignalException as exc:  # the launcher itself was told to stop; workers got the signal too
         print(f"unison run: stopped by {exc.sigval.name}; the workers were asked to stop", file=sys.stderr)
         return 128 + int(exc.sigval)
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCHER_ENV, None)
+        else:
+            os.environ[LAUNCHER_ENV] = previous
     return 0
 
 
-def summarize_failures(failures: dict[int, Any]) -> tuple[int, list[str]]:
-    """``(exit code, report lines)`` for torchrun's failed workers, first failure first.
+@contextlib.contextmanager
+def _watch_torchrun() -> Iterator[set[int]]:
+    """Yield the pids of the workers that failed before torchrun began stopping the others.
 
-    Order: workers killed by a signal first (a peer's failure never kills a
-    process by signal, while the other ranks of a killed worker fail in their
-    next collective with "connection closed"), then by the time each worker
-    recorded its exception (sub-second, written by the trainer), then by the
-    time torchrun saw the rest.
+    After the first failure torchrun terminates every surviving worker
+    (SIGTERM, SIGKILL after a grace period) and reports those too, by
+    signal, with nothing to tell them from a worker the OOM killer or an
+    operator killed. The pids it had seen fail when it first closes a
+    worker group are the real failures. Also quiets torchrun's own per-worker
+    error log, which the launcher's report replaces.
     """
+    from torch.distributed.elastic.multiprocessing import api
+
+    failed_before_close: set[int] = set()
+    original = api.PContext.close
+
+    def close(self: Any, *args: Any, **kwargs: Any) -> None:
+        if not getattr(self, "_unison_closing", False):  # the first close: nothing terminated yet
+            self._unison_closing = True
+            failed_before_close.update(f.pid for f in getattr(self, "_failures", {}).values())
+        return original(self, *args, **kwargs)
+
+    log = logging.getLogger(api.__name__)
+    level = log.level
+    api.PContext.close = close  # type: ignore[method-assign]
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield failed_before_close
+    finally:
+        api.PContext.close = original  # type: ignore[method-assign]
+        log.setLevel(level)
+
+
+def _record(failure: Any) -> dict[str, Any]:
+    """What the worker recorded about its failure (:func:`unison.lifecycle.record_error`), or ``{}``."""
+    info = failure.error_file_data.get("message", {}) if isinstance(failure.error_file_data, dict) else {}
+    if not isinstance(info, dict):
+        return {}
+    extra = info.get("extraInfo", {})
+    return {"message": str(info.get("message", "")), **(extra if isinstance(extra, dict) else {})}
+
+
+def _what(failure: Any, record: dict[str, Any], code: int) -> str:
+    """One line for a worker's own failure: its exception's first line, the stall, or its signal."""
+    from unison.errors import EXIT_STALLED
+
+    if record.get("message"):
+        return f"{record['message'].strip().splitlines()[0][:300]} (exit code {code})"
+    if failure.exitcode < 0:
+        return f"killed by {failure.signal_name()} from outside the job (the OOM killer, an operator...)"
+    if failure.exitcode == EXIT_STALLED:
+        return f"stalled: the watchdog found a rank that stopped making progress (exit code {EXIT_STALLED})"
+    return f"exit code {code}, no error recorded"
+
+
+def summarize_failures(failures: dict[int, Any], failed_before_close: set[int] | None = None) -> tuple[int, list[str]]:
+    """``(exit code, report lines)`` for torchrun's failed workers: one report for the job, first failure first.
+
+    ``failed_before_close`` holds the pids torchrun saw fail before it began
+    terminating the rest (:func:`_watch_torchrun`); a worker outside it that
+    recorded no exception was stopped by torchrun because of the first failure
+    and is reported as such, never as a failure of its own (``None``: every
+    worker counts). A worker that recorded an exception counts whenever it
+    exited: a rank that raised may still be tearing down when the peer it
+    left behind fails and is seen first.
+
+    Among the real failures: workers killed by a signal first (nothing in the
+    job kills a worker by signal before torchrun closes it, while the other
+    ranks of a killed worker fail in their next collective with "connection
+    closed"), then ranks that exited with the watchdog's code (a stall is
+    found first-hand, its peers' errors follow),
+    then by the time each worker recorded its exception (sub-second, written by
+    :func:`unison.lifecycle.record_error`), then by the time torchrun saw the rest.
+
+    The first failure's report follows the headline: a ConfigurationError's
+    message (once, however many ranks raised it), an exception's traceback,
+    then one line per failed rank. Its exit code is the job's: 2 for a
+    ConfigurationError, 1 for an exception, 3 for a stall, 128 + N for signal
+    N; 75 when every failed rank stopped on request after a checkpoint.
+    """
+    from unison.errors import EXIT_STALLED
     from unison.lifecycle import PREEMPTED_EXIT_CODE
 
-    def when(item: tuple[int, Any]) -> tuple[bool, float, int]:
-        rank, failure = item
-        info = failure.error_file_data.get("message", {})
-        precise = info.get("extraInfo", {}).get("unison_time") if isinstance(info, dict) else None
-        return (failure.exitcode >= 0, float(precise) if precise is not None else float(failure.timestamp), rank)
+    records = {rank: _record(f) for rank, f in failures.items()}
 
-    ordered = sorted(failures.items(), key=when)
-    if all(f.exitcode == PREEMPTED_EXIT_CODE for _, f in ordered):
+    def real(rank: int) -> bool:  # torchrun's SIGTERM ends a worker without a recorded exception
+        if not failed_before_close or "unison_time" in records[rank]:
+            return True
+        return failures[rank].pid in failed_before_close
+
+    def when(rank: int) -> tuple[int, float, int]:
+        failure, precise = failures[rank], records[rank].get("unison_time")
+        first_hand = 0 if failure.exitcode < 0 else 1 if failure.exitcode == EXIT_STALLED else 2
+        return (first_hand, float(precise) if precise is not None else float(failure.timestamp), rank)
+
+    ordered = sorted((r for r in failures if real(r)), key=when) or sorted(failures, key=when)
+    stopped = sorted(r for r in failures if r not in ordered)
+    if all(failures[r].exitcode == PREEMPTED_EXIT_CODE for r in ordered):
         return PREEMPTED_EXIT_CODE, [
             f"unison run: stopped on request after a checkpoint (exit code {PREEMPTED_EXIT_CODE})"
         ]
-    lines = []
-    for i, (rank, failure) in enumerate(ordered):
-        if failure.exitcode < 0:
-            what = f"killed by {failure.signal_name()}"
+
+    def exit_code(rank: int) -> int:  # what the worker exited with, or was exiting with when torchrun closed it
+        recorded, exitcode = records[rank].get("unison_exit_code"), failures[rank].exitcode
+        return int(recorded) if recorded is not None else 128 - exitcode if exitcode < 0 else exitcode or 1
+
+    head = records[ordered[0]]
+    code = exit_code(ordered[0])
+    lines = [f"unison run: rank {ordered[0]} failed first; the job exits with code {code}"]
+    if head.get("unison_kind") == "configuration":
+        lines.append(f"error: {head['message'].split(': ', 1)[-1]}")
+    elif head.get("py_callstack"):
+        lines.append(str(head["py_callstack"]).rstrip())
+    for i, rank in enumerate(ordered):
+        failure, record = failures[rank], records[rank]
+        if i == 0 and record.get("unison_kind") == "configuration":
+            what = f"configuration error, message above (exit code {exit_code(rank)})"
+        elif i == 0 and record.get("py_callstack"):
+            what = f"{record['message'].split(':', 1)[0]}, traceback above (exit code {exit_code(rank)})"
+        elif i > 0 and record.get("message") and record.get("message") == head.get("message"):
+            what = f"the same error (exit code {exit_code(rank)})"
         else:
-            message = failure.message
-            if isinstance(message, dict):
-                message = message.get("message", "")
-            what = f"exit code {failure.exitcode}" + (
-                f": {message.strip().splitlines()[0]}"
-                if message and not message.startswith("To enable traceback")
-                else ""
-            )
+            what = _what(failure, record, exit_code(rank))
         lines.append(f"  rank {rank} (pid {failure.pid}){' failed first' if i == 0 else ''}: {what}")
-    first = ordered[0][1]
-    code = 128 - first.exitcode if first.exitcode < 0 else first.exitcode or 1
-    return code, [f"unison run: {len(ordered)} worker(s) failed (exit code {code}); tracebacks above:", *lines]
+    for rank in stopped:
+        pid = failures[rank].pid
+        lines.append(f"  rank {rank} (pid {pid}): stopped by the launcher after rank {ordered[0]} failed")
+    return code, lines
+
+
+def check_nproc(nproc: int | None) -> bool:
+    """Whether ``Trainer(nproc=...)`` must start its workers: ``True`` outside any launcher with ``nproc > 1``.
+
+    Inside a launcher's worker (``LOCAL_RANK`` set) ``nproc`` must equal the
+    processes it started on this node (``LOCAL_WORLD_SIZE``); a mismatch is a
+    ConfigurationError before any process group starts.
+    """
+    if nproc is None:
+        return False
+    if "LOCAL_RANK" in os.environ:
+        started = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if started != nproc:
+            raise ConfigurationError(
+                "nproc",
+                f"nproc={nproc} but the launcher started {started} process(es) on this node",
+                f"drop nproc (the launcher decides), or launch with --nproc {nproc}",
+            )
+        return False
+    return nproc > 1
+
+
+def start_workers(nproc: int) -> NoReturn:
+    """Re-run this program under torchrun with ``nproc`` workers, as ``unison run --nproc N`` would; exit with its code.
+
+    What ``Trainer(nproc=N)`` does in a process no launcher started. The
+    program is re-run from the top in every worker (``python train.py ARGS``:
+    the script; ``python -m pkg.train ARGS``: the module), so this process
+    only waits: everything after the line that made the Trainer runs in the
+    workers, and it exits with the job's exit code and one failure report.
+    A program without a script file (an interactive session, a notebook,
+    ``python -c``) cannot be re-run: a ConfigurationError names the command.
+    """
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(main, "__file__", None)
+    if spec is not None and spec.name and spec.name != "__main__":  # python -m pkg.train (or pkg/__main__.py)
+        code = run_script(spec.name.removesuffix(".__main__"), nproc, sys.argv[1:], ["--module"])
+    elif path and os.path.isfile(path):
+        code = run_script(path, nproc, sys.argv[1:])
+    else:
+        raise ConfigurationError(
+            "nproc",
+            f"nproc={nproc} starts the workers by re-running this program's script, and this process has none "
+            "(an interactive session, a notebook or python -c)",
+            f"save the code as a script and run `unison run --nproc {nproc} train.py` (or `python train.py`)",
+        )
+    sys.exit(code)
 
 
 class WorldError(RuntimeError):
