@@ -232,7 +232,10 @@ def summarize_failures(failures: dict[int, Any], failed_before_close: set[int] |
 
     def when(rank: int) -> tuple[int, float, int]:
         failure, precise = failures[rank], records[rank].get("unison_time")
-        first_hand = 0 if failure.exitcode < 0 else 1 if failure.exitcode == EXIT_STALLED else 2
+        # (a worker that recorded an exception may still be killed by torchrun while it exits)
+        first_hand = (
+            2 if precise is not None else 0 if failure.exitcode < 0 else 1 if failure.exitcode == EXIT_STALLED else 2
+        )
         return (first_hand, float(precise) if precise is not None else float(failure.timestamp), rank)
 
     ordered = sorted((r for r in failures if real(r)), key=when) or sorted(failures, key=when)
