@@ -155,7 +155,7 @@ def run(nproc: int | None, cluster: str | None, args: tuple[str, ...]) -> None:
 @cli.command()
 @click.argument("config", type=click.Path(exists=True, dir_okay=False))
 @click.option("--strategy", default=None, help="Override [trainer] strategy.")
-@click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP)
+@click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP + " Overrides [trainer] nproc.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Override [trainer] max_steps.")
 @click.option(
     "--resume",
@@ -223,7 +223,7 @@ def train(
     from unison.launch import cluster_launch
 
     pm = PluginManager()
-    nproc, node_args, launch = cluster_launch(nproc, node_args, cluster, pm)
+    nproc, node_args, launch = cluster_launch(nproc or run_config.trainer.nproc, node_args, cluster, pm)
     multi_node = launch.multi_node or nnodes is not None
     if nproc > 1 or max_restarts or multi_node:
         # Validate before any worker or process group starts, then relaunch.
@@ -256,7 +256,10 @@ def _train_here(config_path: str, overrides: dict[str, Any], resume: str | None 
     config, base = load_config(config_path, overrides)
     run = resolve_run(config, base)
     pm = PluginManager()
-    trainer = Trainer(plugin_manager=pm, callbacks=_config_plugins(config, base, pm), **config.trainer.model_dump())
+    settings = config.trainer.model_dump()
+    if "LOCAL_RANK" in os.environ:  # a worker: the launcher started as many as --nproc or [trainer] nproc asked
+        settings["nproc"] = None
+    trainer = Trainer(plugin_manager=pm, callbacks=_config_plugins(config, base, pm), **settings)
     train_ds, val_ds = run["data"](**config.data.kwargs)
     progress = trainer.fit(
         # A factory: the trainer seeds before building, so reruns and ranks start alike.
@@ -303,6 +306,10 @@ def main(argv: list[str] | None = None) -> None:
         # Ctrl-C: the shell's convention (128 + SIGINT), so scripts can tell an interrupt from a failure
         sys.exit(130 if isinstance(exc.__cause__, KeyboardInterrupt) else 1)
     except UnisonError as exc:
+        if "LOCAL_RANK" in os.environ:  # a worker: recorded for the launcher's one report (or printed once)
+            from unison.lifecycle import report_worker_failure
+
+            sys.exit(report_worker_failure(exc))
         # escape: messages name extras like unison[tensorboard], which rich would read as markup
         console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(2)

@@ -24,9 +24,12 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.multiprocessing as mp
+
+from unison.errors import ConfigurationError
+from unison.launch_report import summarize_failures, watch_torchrun
 
 
 def free_port() -> int:
@@ -61,7 +64,7 @@ def run_script(
     torchrun_args: Sequence[str] = (),
     cluster: str | None = None,
 ) -> int:
-    """Run ``script`` under torchrun with ``nproc`` processes on this node; return its exit code.
+    """Run ``script`` under torchrun with ``nproc`` processes on this node; return the job's exit code.
 
     What it does beyond plain torchrun, and why:
 
@@ -76,14 +79,21 @@ def run_script(
       refused. With it every attempt gets a fresh store.
     * SIGUSR1 is forwarded to the workers with SIGTERM (SLURM sends it before
       the time limit), so they commit a checkpoint and stop.
-    * A failure is reported as one line per failed rank, the first failure
-      first (from the error each worker's trainer records), instead of
-      torchrun's stack trace and table; the exit code is the first failure's
-      (128 + N for signal N; 75 when every failed rank stopped on request).
+    * Each worker runs the script through :mod:`unison.worker`, which records
+      the exception that ends it instead of printing it; the launcher prints
+      one report for the job (:func:`unison.launch_report.summarize_failures`): the first real
+      failure's message or traceback, one line per other rank, and exits with
+      the first failure's code (2 for a ConfigurationError, 1 for an
+      exception, 3 for a rank the watchdog found stalled, 128 + N for signal
+      N, 75 when the workers stopped on request). The SIGTERM torchrun sends
+      the surviving workers after a failure is never reported as a failure.
+      ``--no-python`` scripts run as given.
     """
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from unison.lifecycle import LAUNCHER_ENV
 
     nproc, torchrun_args, launch = cluster_launch(nproc, torchrun_args, cluster)
     if launch.environment != "torchrun":
@@ -94,65 +104,88 @@ def run_script(
             flush=True,
         )
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    torchrun_args = list(torchrun_args)
+    target = [script, *script_args]
+    if not any(a in ("--no-python", "--no_python") for a in torchrun_args):
+        as_module = [a for a in torchrun_args if a in ("--module", "-m")]
+        torchrun_args = [a for a in torchrun_args if a not in as_module]
+        target = ["unison.worker", *(["--module"] if as_module else []), *target]
+        torchrun_args.append("--module")
     argv = [f"--nproc-per-node={nproc}", *torchrun_args]
     if not any(a.startswith(("--rdzv", "--master", "--nnodes", "--standalone")) for a in torchrun_args):
         argv.insert(0, "--standalone")  # single node, free port, no rendezvous server to run
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in torchrun_args):
         argv.append(f"--signals-to-handle={_SIGNALS_TO_HANDLE}")
-    argv += [script, *script_args]
+    argv += target
+    previous = os.environ.get(LAUNCHER_ENV)
+    os.environ[LAUNCHER_ENV] = "1"  # the workers record their errors; the report is printed here
     try:
-        # torchrun.run, not torchrun.main: main's @record prints the failure
-        # table and a stack trace of the launcher itself.
-        torchrun.run(torchrun.parse_args(argv))
+        with watch_torchrun() as failed_before_close:
+            # torchrun.run, not torchrun.main: main's @record prints the failure
+            # table and a stack trace of the launcher itself.
+            torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as exc:
-        code, lines = summarize_failures(exc.failures)
+        code, lines = summarize_failures(exc.failures, failed_before_close)
         print("\n".join(lines), file=sys.stderr, flush=True)
         return code
     except SignalException as exc:  # the launcher itself was told to stop; workers got the signal too
         print(f"unison run: stopped by {exc.sigval.name}; the workers were asked to stop", file=sys.stderr)
         return 128 + int(exc.sigval)
+    finally:
+        if previous is None:
+            os.environ.pop(LAUNCHER_ENV, None)
+        else:
+            os.environ[LAUNCHER_ENV] = previous
     return 0
 
 
-def summarize_failures(failures: dict[int, Any]) -> tuple[int, list[str]]:
-    """``(exit code, report lines)`` for torchrun's failed workers, first failure first.
+def check_nproc(nproc: int | None) -> bool:
+    """Whether ``Trainer(nproc=...)`` must start its workers: ``True`` outside any launcher with ``nproc > 1``.
 
-    Order: workers killed by a signal first (a peer's failure never kills a
-    process by signal, while the other ranks of a killed worker fail in their
-    next collective with "connection closed"), then by the time each worker
-    recorded its exception (sub-second, written by the trainer), then by the
-    time torchrun saw the rest.
+    Inside a launcher's worker (``LOCAL_RANK`` set) ``nproc`` must equal the
+    processes it started on this node (``LOCAL_WORLD_SIZE``); a mismatch is a
+    ConfigurationError before any process group starts.
     """
-    from unison.lifecycle import PREEMPTED_EXIT_CODE
-
-    def when(item: tuple[int, Any]) -> tuple[bool, float, int]:
-        rank, failure = item
-        info = failure.error_file_data.get("message", {})
-        precise = info.get("extraInfo", {}).get("unison_time") if isinstance(info, dict) else None
-        return (failure.exitcode >= 0, float(precise) if precise is not None else float(failure.timestamp), rank)
-
-    ordered = sorted(failures.items(), key=when)
-    if all(f.exitcode == PREEMPTED_EXIT_CODE for _, f in ordered):
-        return PREEMPTED_EXIT_CODE, [
-            f"unison run: stopped on request after a checkpoint (exit code {PREEMPTED_EXIT_CODE})"
-        ]
-    lines = []
-    for i, (rank, failure) in enumerate(ordered):
-        if failure.exitcode < 0:
-            what = f"killed by {failure.signal_name()}"
-        else:
-            message = failure.message
-            if isinstance(message, dict):
-                message = message.get("message", "")
-            what = f"exit code {failure.exitcode}" + (
-                f": {message.strip().splitlines()[0]}"
-                if message and not message.startswith("To enable traceback")
-                else ""
+    if nproc is None:
+        return False
+    if "LOCAL_RANK" in os.environ:
+        started = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if started != nproc:
+            raise ConfigurationError(
+                "nproc",
+                f"nproc={nproc} but the launcher started {started} process(es) on this node",
+                f"drop nproc (the launcher decides), or launch with --nproc {nproc}",
             )
-        lines.append(f"  rank {rank} (pid {failure.pid}){' failed first' if i == 0 else ''}: {what}")
-    first = ordered[0][1]
-    code = 128 - first.exitcode if first.exitcode < 0 else first.exitcode or 1
-    return code, [f"unison run: {len(ordered)} worker(s) failed (exit code {code}); tracebacks above:", *lines]
+        return False
+    return nproc > 1
+
+
+def start_workers(nproc: int) -> NoReturn:
+    """Re-run this program under torchrun with ``nproc`` workers, as ``unison run --nproc N`` would; exit with its code.
+
+    What ``Trainer(nproc=N)`` does in a process no launcher started. The
+    program is re-run from the top in every worker (``python train.py ARGS``:
+    the script; ``python -m pkg.train ARGS``: the module), so this process
+    only waits: everything after the line that made the Trainer runs in the
+    workers, and it exits with the job's exit code and one failure report.
+    A program without a script file (an interactive session, a notebook,
+    ``python -c``) cannot be re-run: a ConfigurationError names the command.
+    """
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    path = getattr(main, "__file__", None)
+    if spec is not None and spec.name and spec.name != "__main__":  # python -m pkg.train (or pkg/__main__.py)
+        code = run_script(spec.name.removesuffix(".__main__"), nproc, sys.argv[1:], ["--module"])
+    elif path and os.path.isfile(path):
+        code = run_script(path, nproc, sys.argv[1:])
+    else:
+        raise ConfigurationError(
+            "nproc",
+            f"nproc={nproc} starts the workers by re-running this program's script, and this process has none "
+            "(an interactive session, a notebook or python -c)",
+            f"save the code as a script and run `unison run --nproc {nproc} train.py` (or `python train.py`)",
+        )
+    sys.exit(code)
 
 
 class WorldError(RuntimeError):

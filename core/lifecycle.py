@@ -171,22 +171,44 @@ class RunGuard:
             signal.signal(sig, previous)
         self._previous.clear()
         if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
-            record_error(exc)
+            record_error(exc)  # the time it happened, before a peer's fallout
 
 
-def record_error(exc: BaseException) -> None:
-    """Write ``exc`` to torchrun's error file for this worker (when there is one).
+#: Set in the environment of the workers ``unison run`` / ``unison train`` start: the launcher prints the
+#: job's one failure report, so a worker records its error (:func:`record_error`) instead of printing it.
+LAUNCHER_ENV = "UNISON_LAUNCHER_REPORTS"
+
+_recorded: BaseException | None = None
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code a worker ends with after ``exc``: 2 for a ConfigurationError, else 1 (see :mod:`unison.errors`)."""
+    from unison.errors import EXIT_CONFIGURATION, EXIT_FAILED, ConfigurationError
+
+    return EXIT_CONFIGURATION if isinstance(exc, ConfigurationError) else EXIT_FAILED
+
+
+def record_error(exc: BaseException) -> bool:
+    """Write ``exc`` to torchrun's error file for this worker (when there is one); ``True`` when written.
 
     torchrun then knows each failed worker's exception, and ``unison run``
     reports the first one instead of every rank's fallout. The format is
     torchrun's own (``ErrorHandler.record_exception``) plus ``unison_time``, a
-    sub-second timestamp: torchrun's whole seconds cannot order a rank's
-    error before the "connection closed" it causes on the others.
+    sub-second timestamp (torchrun's whole seconds cannot order a rank's
+    error before the "connection closed" it causes on the others),
+    ``unison_exit_code`` and ``unison_kind`` (``"configuration"`` or
+    ``"exception"``). The same exception recorded twice keeps its first time.
     """
+    global _recorded
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
+        return False
+    if exc is _recorded:
+        return True
+    from unison.errors import EXIT_CONFIGURATION
+
     now = time.time()
+    code = exit_code_for(exc)
     data = {
         "message": {
             "message": f"{type(exc).__name__}: {exc}",
@@ -194,6 +216,8 @@ def record_error(exc: BaseException) -> None:
                 "py_callstack": "".join(traceback.format_exception(exc)),
                 "timestamp": str(int(now)),
                 "unison_time": now,
+                "unison_exit_code": code,
+                "unison_kind": "configuration" if code == EXIT_CONFIGURATION else "exception",
             },
         }
     }
@@ -201,7 +225,31 @@ def record_error(exc: BaseException) -> None:
         with open(path, "w") as f:
             json.dump(data, f)
     except OSError:  # reporting must never mask the real error
-        pass
+        return False
+    _recorded = exc
+    return True
+
+
+def report_worker_failure(exc: BaseException) -> int:
+    """Record or print the exception that ends a worker; return the exit code to end with.
+
+    Under ``unison run`` / ``unison train`` (:data:`LAUNCHER_ENV` set) the
+    error goes to torchrun's error file only, and the launcher prints one
+    report for the whole job: the first failure's message (a
+    ConfigurationError) or traceback, and one line per other rank. Elsewhere
+    (plain ``torchrun``, one process) it is printed here: a ConfigurationError
+    as its one-line message, anything else as a traceback.
+    """
+    from unison.errors import EXIT_CONFIGURATION
+
+    code = exit_code_for(exc)
+    if record_error(exc) and os.environ.get(LAUNCHER_ENV) == "1":
+        return code
+    if code == EXIT_CONFIGURATION:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+    else:
+        traceback.print_exception(exc)
+    return code
 
 
 # --------------------------------------------------------------------------- #

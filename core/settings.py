@@ -24,6 +24,8 @@ class TrainerSettings(pydantic.BaseModel):
 
     strategy: str = "single"
     """Registered strategy name (``unison strategies`` lists them)."""
+    nproc: int | None = pydantic.Field(None, ge=1)
+    """Processes on this node: ``python train.py`` then starts them itself (docs/launch.md); ``None``: as launched."""
     strategy_options: dict[str, Any] = {}
     """Options of that strategy, validated by its own schema."""
     precision: str = "32-true"

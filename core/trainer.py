@@ -40,6 +40,7 @@ from unison.checkpoint import Checkpointer, check_resume_step, resume_point
 from unison.data import TrainData, check_divisible, is_map_style, resolve_source, validation_stream
 from unison.env import DistEnv, device_for, resolve_accelerator, world_from_env
 from unison.errors import ConfigurationError, DeclaredRefusal, UnisonError
+from unison.launch import check_nproc, start_workers
 from unison.lifecycle import RunGuard, init_process_group
 from unison.manager import PluginManager
 from unison.ownership import AccumulationOwner, Feature, GradSync, ReplicaInit
@@ -447,7 +448,11 @@ class Trainer:
             self.pm.register(plugin)
         self.pm.check_pending()
         _, world_size, _ = world_from_env()
+        start_here = check_nproc(self.settings.nproc)  # nproc > 1 and no launcher: start the workers below
+        world_size = self.settings.nproc if start_here else world_size
         self.strategy: Strategy = build_strategy(self.settings, self.pm, world_size)
+        if start_here:
+            start_workers(world_size)  # checked for that world; exits with the job's code
         self.ownership = self.strategy.ownership
         self.progress = Progress()
         #: Set by a plugin to end training after the current step. Every
@@ -511,7 +516,14 @@ class Trainer:
                 init_process_group(backend)  # rendezvous fails in minutes, not the 10-minute default
             else:
                 # A distributed strategy on one process without a launcher: a
-                # real, private world of 1 (no network rendezvous needed).
+                # real, private world of 1 (no network rendezvous needed), never silently.
+                if self.settings.nproc is None:
+                    print(
+                        f"unison: strategy {self.settings.strategy!r} trains in 1 process: nothing launched more. "
+                        "For N processes: Trainer(..., nproc=N), or `unison run --nproc N script.py`",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
             self._owns_process_group = True
             rank, world_size = dist.get_rank(), dist.get_world_size()
