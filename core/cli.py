@@ -203,6 +203,8 @@ def train(
     if max_restarts and resume != "auto":
         # A restarted world must continue from its last checkpoint, not refuse its own directory.
         raise click.UsageError("--max-restarts needs --resume auto")
+    if "LOCAL_RANK" not in os.environ:  # at once, before torch loads (seconds); workers stay quiet
+        console.print(f"unison train {escape(config)}: loading torch, checking the config", highlight=False)
     from unison.config import load_config, resolve_run
     from unison.trainer import build_strategy
 

@@ -73,3 +73,18 @@ def test_a_lazy_manager_imports_an_entry_point_only_for_a_hook_its_source_names(
     assert before is False and has_ddp
     assert after_strategies == ["unison.strategies.ddp"]  # registering strategies did not import the loggers
     assert loggers_listed and same_plugins  # list_plugins loads every deferred entry point
+
+
+def test_unison_train_says_what_it_does_first(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\nfactory = "missing.py:build"\n[data]\nfactory = "missing.py:data"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "unison.cli", "train", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**__import__("os").environ, "COLUMNS": "400"},
+    )
+    lines = out.stdout.splitlines()
+    assert lines and lines[0] == f"unison train {config}: loading torch, checking the config", out.stdout
+    assert out.returncode == 2  # and the config's error follows it
