@@ -5,7 +5,10 @@
 * ``verify PATH`` – hash every file against the manifest; exit 1 naming the
   first bad file. Given a ``checkpoint_dir``, verifies each committed checkpoint.
 * ``export PATH OUT`` – the canonical weights as a safetensors file, for
-  ``safetensors.torch.load_file`` and the plain model's ``load_state_dict``.
+  ``safetensors.torch.load_file`` and the plain model's ``load_state_dict``;
+  ``export --format hf --config RUN.toml PATH OUT`` – a Hugging Face model
+  directory (``save_pretrained`` layout) that ``from_pretrained`` loads, the
+  model built by the config's model factory.
 
 PATH is a local path or an ``s3://bucket/prefix`` URL (object storage is read
 through :func:`unison.storage.open_storage`, configured by the usual AWS
@@ -22,9 +25,10 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from unison.checkpoint import LATEST, Checkpointer
-from unison.manifest import MANIFEST, CheckpointError, Manifest, verify
 from unison.storage import LocalStorage, open_storage
+
+# unison.checkpoint and unison.manifest import torch: each command imports them
+# when it runs, so ``unison --help`` does not.
 
 console = Console()
 
@@ -39,6 +43,9 @@ def _open(location: str) -> tuple[Path, LocalStorage]:
 
 def _targets(path: Path, storage: LocalStorage) -> tuple[list[Path], bool]:
     """``([checkpoint], False)`` for a checkpoint, ``([each committed], True)`` for a checkpoint_dir."""
+    from unison.checkpoint import Checkpointer
+    from unison.manifest import MANIFEST
+
     if storage.exists(path / MANIFEST):
         return [path], False
     if not storage.is_dir(path):
@@ -66,6 +73,9 @@ def checkpoint() -> None:
 @click.argument("location", metavar="PATH")
 def inspect(location: str) -> None:
     """Show what wrote the checkpoint(s) at PATH, oldest commit first (reads manifests only)."""
+    from unison.checkpoint import LATEST
+    from unison.manifest import CheckpointError, Manifest
+
     path, storage = _open(location)
     targets, is_root = _targets(path, storage)
     pointer = storage.read_text(path / LATEST).strip() if is_root and storage.exists(path / LATEST) else None
@@ -93,6 +103,8 @@ def inspect(location: str) -> None:
 @click.argument("location", metavar="PATH")
 def verify_cmd(location: str) -> None:
     """Check every file of the checkpoint(s) at PATH against the manifest (sha256)."""
+    from unison.manifest import CheckpointError, verify
+
     path, storage = _open(location)
     targets, _ = _targets(path, storage)
     failed = 0
@@ -112,11 +124,44 @@ def verify_cmd(location: str) -> None:
 
 @checkpoint.command()
 @click.argument("location", metavar="PATH")
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
-def export(location: str, out: Path) -> None:
-    """Write the canonical model weights of checkpoint PATH to OUT (safetensors)."""
-    from unison.export import export_safetensors
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["safetensors", "hf"]),
+    default="safetensors",
+    show_default=True,
+    help="safetensors: one file of the model's weights. hf: a Hugging Face save_pretrained directory.",
+)
+@click.option(
+    "--config",
+    "config_path",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="The run's TOML/YAML config; --format hf builds the model with its [model] factory.",
+)
+@click.option(
+    "--max-shard-size",
+    default="5GB",
+    show_default=True,
+    help="--format hf: the largest safetensors shard (e.g. 500MB); more than one writes model.safetensors.index.json.",
+)
+def export(location: str, out: Path, fmt: str, config_path: str | None, max_shard_size: str) -> None:
+    """Write the canonical model weights of checkpoint PATH to OUT (a file, or a directory for --format hf).
 
+    PATH may also be a checkpoint_dir: its latest committed checkpoint is exported.
+    """
+    from unison.checkpoint import Checkpointer
+    from unison.manifest import MANIFEST, CheckpointError
+
+    if fmt == "hf" and config_path is None:
+        raise click.BadParameter(
+            "--format hf builds the model from the run's config: pass --config RUN.toml", param_hint="--config"
+        )
+    if fmt == "safetensors" and out.is_dir():
+        raise click.BadParameter(f"{out} is a directory; give a file name such as model.safetensors", param_hint="OUT")
+    if fmt == "hf" and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise click.BadParameter(f"{out} exists and is not an empty directory", param_hint="OUT")
     path, storage = _open(location)
     if not storage.exists(path / MANIFEST):
         latest = Checkpointer(path, storage=storage).latest() if storage.is_dir(path) else None
@@ -124,7 +169,20 @@ def export(location: str, out: Path) -> None:
             raise click.BadParameter(f"{path} is not a committed checkpoint", param_hint="PATH")
         path = latest
     try:
-        state = export_safetensors(path, out, storage)
+        if fmt == "hf":
+            from unison.config import load_config, resolve_run
+            from unison.export import export_hf
+
+            assert config_path is not None
+            build_model = resolve_run(*load_config(config_path))["model"]
+            try:
+                state = export_hf(path, out, build_model, storage, max_shard_size=max_shard_size)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--config") from None
+        else:
+            from unison.export import export_safetensors
+
+            state = export_safetensors(path, out, storage)
     except CheckpointError as exc:
         console.print(f"[red]FAIL[/] {exc}", highlight=False)
         sys.exit(1)

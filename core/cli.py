@@ -24,9 +24,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+# Only light modules here: torch and the plugins load when a command needs them
+# (``unison --help`` imports neither; see PluginManager(lazy=True)).
 from unison.checkpoint_cli import checkpoint as checkpoint_commands
 from unison.errors import UnisonError
-from unison.launch import run_script
 from unison.manager import PluginManager
 
 console = Console()
@@ -40,7 +41,7 @@ def cli() -> None:
 @cli.command()
 def strategies() -> None:
     """List registered strategies, their aliases and availability."""
-    pm = PluginManager()
+    pm = PluginManager(lazy=True)
     table = Table(title="unison strategies")
     for col in ("name", "aliases", "available", "description"):
         table.add_column(col)
@@ -62,7 +63,7 @@ def precisions() -> None:
     A strategy uses a precision plugin only where its declaration says the
     trainer or a plugin applies that precision (``unison describe NAME``).
     """
-    pm = PluginManager()
+    pm = PluginManager(lazy=True)
     table = Table(title="unison precisions")
     for col in ("name", "available", "description"):
         table.add_column(col)
@@ -79,7 +80,7 @@ def precisions() -> None:
 @click.argument("name")
 def describe(name: str) -> None:
     """Print who owns accumulation, precision and state_dict for strategy NAME."""
-    pm = PluginManager()
+    pm = PluginManager(lazy=True)
     spec, options = pm.strategies.resolve(name)
     if spec.unavailable:
         console.print(f"[yellow]{escape(name)}: unavailable here: {escape(spec.unavailable)}[/]")
@@ -149,6 +150,8 @@ def run(nproc: int | None, cluster: str | None, args: tuple[str, ...]) -> None:
         torchrun_args.append(rest.pop(0))
     if not rest:
         raise click.UsageError("no script given")
+    from unison.launch import run_script
+
     sys.exit(run_script(rest[0], nproc, rest[1:], torchrun_args, cluster))
 
 
@@ -200,6 +203,8 @@ def train(
     if max_restarts and resume != "auto":
         # A restarted world must continue from its last checkpoint, not refuse its own directory.
         raise click.UsageError("--max-restarts needs --resume auto")
+    if "LOCAL_RANK" not in os.environ:  # at once, before torch loads (seconds); workers stay quiet
+        console.print(f"unison train {escape(config)}: loading torch, checking the config", highlight=False)
     from unison.config import load_config, resolve_run
     from unison.trainer import build_strategy
 
@@ -220,9 +225,9 @@ def train(
     if "LOCAL_RANK" in os.environ:  # a worker torchrun started: train
         _train_here(config, overrides, resume)
         return
-    from unison.launch import cluster_launch
+    from unison.launch import cluster_launch, run_script
 
-    pm = PluginManager()
+    pm = PluginManager(lazy=True)
     nproc, node_args, launch = cluster_launch(nproc or run_config.trainer.nproc, node_args, cluster, pm)
     multi_node = launch.multi_node or nnodes is not None
     if nproc > 1 or max_restarts or multi_node:
@@ -255,7 +260,7 @@ def _train_here(config_path: str, overrides: dict[str, Any], resume: str | None 
 
     config, base = load_config(config_path, overrides)
     run = resolve_run(config, base)
-    pm = PluginManager()
+    pm = PluginManager()  # a training run: every plugin, in registration order
     settings = config.trainer.model_dump()
     if "LOCAL_RANK" in os.environ:  # a worker: the launcher started as many as --nproc or [trainer] nproc asked
         settings["nproc"] = None
@@ -295,7 +300,7 @@ cli.add_command(checkpoint_commands)
 def main(argv: list[str] | None = None) -> None:
     try:
         # Inside the try: a broken plugin is reported like any other error.
-        PluginManager().unison_add_cli_commands(cli=cli)
+        PluginManager(lazy=True).unison_add_cli_commands(cli=cli)
         cli.main(args=argv, prog_name="unison", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
@@ -205,7 +206,7 @@ def csv_metrics(run_dir: Path) -> Metrics:
 
 
 def tensorboard_metrics(run_dir: Path) -> Metrics:
-    """Through tensorboard's EventAccumulator."""
+    """Through tensorboard's EventAccumulator.Scalars (float32 values: compare with :func:`as_float32`)."""
     merged: Metrics = {}
     for tag, events in read_scalars(run_dir / "tensorboard").items():
         for step, value in events:
@@ -248,6 +249,11 @@ def mlflow_metrics(client: Any, run_id: str) -> Metrics:
         for m in client.get_metric_history(run_id, key):
             merged.setdefault(m.step, {})[key] = m.value
     return merged
+
+
+def as_float32(metrics: Metrics) -> Metrics:
+    """Every value rounded to float32, as TensorBoard's scalar summary stores it (exact, not a tolerance)."""
+    return {step: {k: float(np.float32(v)) for k, v in m.items()} for step, m in metrics.items()}
 
 
 def same(a: Metrics, b: Metrics) -> None:

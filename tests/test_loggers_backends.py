@@ -16,6 +16,7 @@ from unison.launch import spawn
 
 from observability_worlds import (  # sets DS_ACCELERATOR=cpu first
     BACKENDS,
+    as_float32,
     backend_world,
     csv_metrics,
     early_stopped_run,
@@ -94,7 +95,7 @@ def test_every_logger_reads_back_exactly_what_the_trainer_logged(runs, client, s
             assert logged[h["step"] + 1]["train/loss"] == h["loss"]
     same(jsonl_metrics(directory), logged)
     same(csv_metrics(directory), logged)
-    same(tensorboard_metrics(directory), logged)
+    same(tensorboard_metrics(directory), as_float32(logged))
     same(wandb_metrics(directory), logged)
     same(mlflow_metrics(client, run["mlflow_run_id"]), logged)
 

@@ -1,12 +1,14 @@
 """TensorBoard event files: ``version_N/tensorboard/events.out.tfevents.*``.
 
 Every metric is a scalar whose tag is the metric name, at ``global_step`` =
-the trainer's step. Scalars are written as float64 tensor summaries (the
-``scalars`` plugin shows them like any scalar), so the value read back is
-exactly the trainer's, not a float32 rounding of it. The run's config,
-strategy declaration and versions are a text summary under ``run/metadata``.
-Needs ``pip install 'unison[tensorboard]'``; ``tensorboard --logdir ROOT``
-shows every version side by side.
+the trainer's step, written as TensorBoard's classic scalar summary: the
+scalars dashboard of ``tensorboard --logdir ROOT`` shows it with the default
+loader, and ``EventAccumulator(...).Scalars(tag)`` returns it. That format
+holds a float32, so a value reads back as the float32 rounding of the
+trainer's float64 (the JSONL and CSV loggers keep every digit). The run's
+config, strategy declaration and versions are a text summary under
+``run/metadata``. Needs ``pip install 'unison[tensorboard]'``;
+``tensorboard --logdir ROOT`` shows every version side by side.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class TensorBoardLogger(RunLogger):
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
-            self._writer.add_scalar(name, float(value), global_step=step, new_style=True, double_precision=True)
+            # Classic scalar (simple_value): what TensorBoard's scalar loaders and EventAccumulator.Scalars read.
+            self._writer.add_scalar(name, float(value), global_step=step)
 
     def _close(self, ok: bool) -> None:
         if self._writer is not None:
@@ -58,21 +61,16 @@ class TensorBoardLogger(RunLogger):
 
 
 def read_scalars(logdir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar under ``logdir`` as ``{tag: [(step, value), ...]}``, read by TensorBoard's own event reader."""
-    from tensorboard.backend.event_processing import event_accumulator
-    from tensorboard.util import tensor_util
+    """Every scalar under ``logdir`` as ``{tag: [(step, value), ...]}``.
 
-    acc = event_accumulator.EventAccumulator(
-        str(logdir), size_guidance={event_accumulator.TENSORS: 0, event_accumulator.SCALARS: 0}
-    )
+    Read as a user's script would: ``EventAccumulator(...).Scalars(tag)`` for
+    every tag of ``Tags()["scalars"]``, keeping every event (no sampling).
+    """
+    from tensorboard.backend.event_processing import event_accumulator
+
+    acc = event_accumulator.EventAccumulator(str(logdir), size_guidance={event_accumulator.SCALARS: 0})
     acc.Reload()
-    out: dict[str, list[tuple[int, float]]] = {}
-    for tag in acc.Tags()["tensors"]:
-        if acc.SummaryMetadata(tag).plugin_data.plugin_name == "scalars":  # not text summaries
-            out[tag] = [(e.step, float(tensor_util.make_ndarray(e.tensor_proto))) for e in acc.Tensors(tag)]
-    for tag in acc.Tags()["scalars"]:
-        out[tag] = [(e.step, e.value) for e in acc.Scalars(tag)]
-    return out
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def read_text(logdir: str | os.PathLike[str], tag: str = "run/metadata") -> str:

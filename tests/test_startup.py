@@ -1,0 +1,90 @@
+"""A fast start: what ``import unison`` and the ``unison`` command import (sys.modules in a fresh process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _imported_after(code: str) -> set[str]:
+    """The modules a fresh interpreter holds after running ``code`` (its own output discarded)."""
+    probe = (
+        "import contextlib, io, json, sys\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        + "".join(f"    {line}\n" for line in code.splitlines())
+        + "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return set(json.loads(out.stdout.splitlines()[-1]))
+
+
+def _main(*args: str) -> str:
+    call = f"main({list(args)!r})"
+    return f"from unison.cli import main\ntry:\n    {call}\nexcept SystemExit as exc:\n    assert not exc.code\n"
+
+
+def test_import_unison_and_unison_help_import_no_torch():
+    assert "torch" not in _imported_after("import unison")
+    help_modules = _imported_after(_main("--help"))
+    assert not {"torch", "deepspeed", "transformers", "tensorboard"} & help_modules
+    # plugin commands are still listed: the conformance plugin (source names the hook) was imported for it
+    assert "unison.conformance.cli" in help_modules
+    assert "unison.strategies.ddp" not in help_modules and "unison.plugins.loggers" not in help_modules
+
+
+def test_describe_imports_strategies_but_no_logger_or_upstream_library():
+    modules = _imported_after(_main("describe", "ddp"))
+    assert "unison.strategies.ddp" in modules
+    assert not {"deepspeed", "transformers", "tensorboard", "mlflow", "wandb", "unison.plugins.loggers"} & modules
+
+
+def test_unison_names_still_resolve_lazily():
+    import unison
+
+    assert unison.Trainer.__name__ == "Trainer" and unison.hookimpl is not None
+    assert set(unison.__all__) <= set(dir(unison))
+    with pytest.raises(AttributeError, match="no attribute 'Trainr'"):
+        unison.Trainr  # noqa: B018
+
+
+def test_a_lazy_manager_imports_an_entry_point_only_for_a_hook_its_source_names():
+    code = (
+        "import sys\n"
+        "from unison.manager import PluginManager\n"
+        "pm = PluginManager(lazy=True)\n"
+        "before = 'unison.strategies.ddp' in sys.modules\n"
+        "names = pm.strategies.names()\n"
+        "after_strategies = {m for m in ('unison.strategies.ddp', 'unison.plugins.loggers') if m in sys.modules}\n"
+        "plugins = dict(pm.list_plugins())\n"
+        "eager = [n for n, _ in PluginManager().list_plugins()]\n"
+        "lazy = [n for n, _ in pm.list_plugins()]\n"
+        "same = sorted(eager) == sorted(lazy)\n"
+        "print(json.dumps([before, 'ddp' in names, sorted(after_strategies), 'loggers' in plugins, same]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, has_ddp, after_strategies, loggers_listed, same_plugins = json.loads(out.stdout.splitlines()[-1])
+    assert before is False and has_ddp
+    assert after_strategies == ["unison.strategies.ddp"]  # registering strategies did not import the loggers
+    assert loggers_listed and same_plugins  # list_plugins loads every deferred entry point
+
+
+def test_unison_train_says_what_it_does_first(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\nfactory = "missing.py:build"\n[data]\nfactory = "missing.py:data"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "unison.cli", "train", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**__import__("os").environ, "COLUMNS": "400"},
+    )
+    lines = out.stdout.splitlines()
+    assert lines and lines[0] == f"unison train {config}: loading torch, checking the config", out.stdout
+    assert out.returncode == 2  # and the config's error follows it
