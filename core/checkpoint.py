@@ -69,7 +69,7 @@ from unison.manifest import (
     verify,
 )
 from unison.safe_io import decode_rng, dumps, encode_rng, loads
-from unison.storage import LocalStorage, open_storage
+from unison.storage import LocalStorage, open_storage, split_url
 
 LATEST = "latest"
 #: ``step-00000010`` or, for a re-save of that step, ``step-00000010.1``.
@@ -424,10 +424,10 @@ class Checkpointer:
         touched.
         """
         written = self._bytes_under(partial)
+        full = _disk_full(self.root, error)  # judged before the partial files give their space back
         self._remove(partial)
         newest = next((c for c in reversed(self.committed()) if c.manifest is not None), None)
         kept = f"the last committed checkpoint {newest.path.name} is untouched" if newest else "nothing was committed"
-        full = _disk_full(self.root, error)
         if full is not None:
             needed = max(written, newest.manifest.total_bytes() if newest and newest.manifest else 0)
             return (
@@ -560,6 +560,8 @@ def _disk_full(root: Path, error: BaseException | None) -> int | None:
     pos``), so a failed write on a file system with less than 1 MiB (or 1 %)
     free counts as a full disk too. ``None``: not a full local disk.
     """
+    if split_url(root) is not None:
+        return None  # object storage: no local file system to judge (its staging errors name themselves)
     seen, enospc = error, False
     while seen is not None:
         enospc = enospc or getattr(seen, "errno", None) == errno.ENOSPC

@@ -181,11 +181,12 @@ class FsspecStorage(LocalStorage):
         options = dict(storage_options)
         # unison retries transient failures itself (bounded, counted, one clear message at the end):
         # the client library's own retry loops are cut to one try so the two do not multiply.
-        options.setdefault("retries", 1)
         options.setdefault("config_kwargs", {}).setdefault("retries", {"max_attempts": 1, "mode": "standard"})
         # Listings are never cached (other ranks and runs write the bucket) and
         # the instance is private (its options are this run's).
         self.fs = fsspec.filesystem(scheme, use_listings_cache=False, skip_instance_cache=True, **options)
+        if hasattr(self.fs, "retries"):
+            self.fs.retries = 1  # s3fs's own loop (a class attribute, 5 tries)
         #: Object-storage calls retried after a transient failure, since this storage was opened.
         self.retries = 0
         self._cache_dir = Path(tempfile.mkdtemp(prefix="unison-objects-"))
