@@ -332,7 +332,9 @@ class Checkpointer:
         failure: BaseException | None = None
         try:
             description = self._write(partial, write)
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit):
+            raise  # an interrupt or a stop: the next start cleans the partial directory
+        except BaseException as exc:  # torch's DCP CheckpointException is a BaseException
             failure = exc
         # Every rank's outcome (this doubles as the barrier: every rank's files are on disk).
         failed = [f for f in all_gather(None if failure is None else _describe(failure)) if f is not None]
@@ -429,7 +431,7 @@ class Checkpointer:
         newest = next((c for c in reversed(self.committed()) if c.manifest is not None), None)
         kept = f"the last committed checkpoint {newest.path.name} is untouched" if newest else "nothing was committed"
         if full is not None:
-            needed = max(written, newest.manifest.total_bytes() if newest and newest.manifest else 0)
+            needed = max(written, newest.manifest.total_bytes if newest and newest.manifest else 0)
             return (
                 f"ENOSPC: no space left on {self.root} ({full} bytes free), needed about {needed} bytes to save "
                 f"step {step}; the partial save was removed and {kept}. Free space, then resume with "
