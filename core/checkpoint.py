@@ -39,8 +39,10 @@ the rules unchanged.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import shutil
 import uuid
 import warnings
 from collections.abc import Callable
@@ -51,6 +53,7 @@ from typing import Any
 import torch
 
 from unison.errors import ConfigurationError
+from unison.lease import Lease
 from unison.manifest import (
     MANIFEST,
     RNG_DIR,
@@ -58,7 +61,7 @@ from unison.manifest import (
     CheckpointError,
     CorruptCheckpointError,
     Manifest,
-    barrier,
+    all_gather,
     broadcast,
     hash_files,
     rank,
@@ -66,7 +69,7 @@ from unison.manifest import (
     verify,
 )
 from unison.safe_io import decode_rng, dumps, encode_rng, loads
-from unison.storage import LocalStorage, open_storage
+from unison.storage import LocalStorage, open_storage, split_url
 
 LATEST = "latest"
 #: ``step-00000010`` or, for a re-save of that step, ``step-00000010.1``.
@@ -110,6 +113,10 @@ class Checkpointer:
         #: Step of the checkpoint this run last committed or resumed from in
         #: this root (a save at that step again would only rewrite it).
         self.last_step: int | None = None
+        #: The one-writer lease on the root (:mod:`unison.lease`); held by rank 0 between
+        #: :meth:`acquire` and :meth:`release`.
+        self.lease = Lease(self.storage, self.root)
+        self._lease_run: tuple[str, bool] | None = None
 
     # ======================================================================= #
     # Public: the rules
@@ -187,11 +194,18 @@ class Checkpointer:
           ``max_steps`` (its manifest's step; verification comes later, on load).
         """
         self.storage.check(self.root)  # object storage: refused credentials, no bucket, no endpoint, named
+        run, own_run = self._lease_run = self._lease_identity(ckpt_path)
+        if self.lease.refuse_if_held(run if own_run else None):
+            # Nobody live writes here, so what interrupted saves left is garbage: removed *before* the probe,
+            # or a disk that a crashed save filled would refuse the very resume that cleans it.
+            self._clean_partials()
         probe = self.root / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             self.storage.make_dir(self.root)
-            self.storage.write_text(probe, "probe", sync=False)
-            self.storage.remove_file(probe)
+            try:
+                self.storage.write_text(probe, "probe", sync=False)
+            finally:
+                self.storage.remove_file(probe)  # also when the write failed half-way
         except OSError as exc:
             raise ConfigurationError(
                 "checkpoint_dir",
@@ -212,6 +226,46 @@ class Checkpointer:
         else:
             resume_step = resume_point(ckpt_path, self.storage)
         check_resume_step(resume_step, max_steps)
+
+    def acquire(self, ckpt_path: str | os.PathLike[str] | None) -> None:
+        """Take the one-writer lease on the root (collective: every rank, right after the process group is up).
+
+        Rank 0 takes it (:meth:`unison.lease.Lease.acquire`) and broadcasts
+        the outcome, so a refusal (another live job writes here) is the same
+        :class:`ConfigurationError` on every rank at once; see
+        :mod:`unison.lease` for why it is taken here.
+        """
+        run, own_run = self._lease_run or self._lease_identity(ckpt_path)
+        outcome: tuple[str, ...] = ("ok",)
+        if rank() == 0:
+            try:
+                self.lease.acquire(run, own_run=own_run)
+            except ConfigurationError as exc:
+                outcome = ("refused", exc.option, exc.problem, exc.fix)
+            except Exception as exc:
+                outcome = ("error", f"{type(exc).__name__}: {exc}")
+        outcome = broadcast(outcome)
+        if outcome[0] == "refused":
+            raise ConfigurationError(*outcome[1:])
+        if outcome[0] == "error":
+            raise CheckpointError(f"cannot take the lease on {self.root}: {outcome[1]}")
+        if not own_run:
+            self.run_id = run  # a fresh run: its commits carry the id its lease names
+
+    def release(self) -> None:
+        """Give the lease back (rank 0; a no-op elsewhere and when not held)."""
+        self.lease.release()
+
+    def _lease_identity(self, ckpt_path: str | os.PathLike[str] | None) -> tuple[str, bool]:
+        """``(run, resumes_it)``: the run of the newest commit when this run continues the root's, else a new id."""
+        continues = ckpt_path is not None and (
+            str(ckpt_path) in ("auto", "last") or _same_dir(Path(ckpt_path).parent, self.root)
+        )
+        if continues:
+            readable = [c for c in self.committed() if c.manifest is not None]
+            if readable:
+                return readable[-1].manifest.run, True  # type: ignore[union-attr]
+        return uuid.uuid4().hex[:16], False
 
     def select(self, ckpt_path: str | os.PathLike[str]) -> Committed | None:
         """The checkpoint to resume from, verified (collective: call on every rank).
@@ -274,39 +328,61 @@ class Checkpointer:
         directory on every rank.
         """
         partial = self.root / f".{step_dir_name(step)}.partial"
-        self._on_rank_zero(lambda: self._begin(partial), "prepare the checkpoint directory")
-        description = self._write(partial, write)
-        barrier()  # every rank's files are on disk
+        self._on_rank_zero(lambda: self._begin(partial, step), "prepare the checkpoint directory")
+        failure: BaseException | None = None
+        try:
+            description = self._write(partial, write)
+        except (KeyboardInterrupt, SystemExit):
+            raise  # an interrupt or a stop: the next start cleans the partial directory
+        except BaseException as exc:  # torch's DCP CheckpointException is a BaseException
+            failure = exc
+        # Every rank's outcome (this doubles as the barrier: every rank's files are on disk).
+        failed = [f for f in all_gather(None if failure is None else _describe(failure)) if f is not None]
+        if failed:
+            message = self._on_rank_zero(lambda: self._abandon(partial, step, failure, failed), "clean up")
+            if failure is not None and not message.startswith("ENOSPC"):
+                raise failure  # this rank's own error, as the writer raised it (its partial files are gone)
+            raise CheckpointError(message) from failure
         files = hash_files(self.storage, partial, sync=True)
 
         def commit() -> str:
-            entries = self.committed()
-            commit_no = max((c.manifest.commit for c in entries if c.manifest), default=0) + 1
-            self.run_id = self.run_id or uuid.uuid4().hex[:16]
-            manifest = Manifest(
-                unison_version=_unison_version(),
-                torch_version=torch.__version__,
-                run=self.run_id,
-                commit=commit_no,
-                step=step,
-                created=utc_now(),
-                files=files,
-                **description,
-            )
-            self.storage.write_text(partial / MANIFEST, manifest.to_json())
-            final = self._free_name(step)
-            self._commit(partial, final)  # the commit point
-            self._point_latest(final.name)
-            # The older copies of this step of this run are now replaced.
-            for c in entries:
-                if c.manifest and c.manifest.step == step and c.manifest.run == self.run_id:
-                    self._remove(c.path)
-            self._prune(keep=final)
-            return final.name
+            self.lease.check()  # another job took the directory over: never commit beside it
+            try:
+                self.storage.write_text(partial / MANIFEST, self._manifest(step, files, description).to_json())
+            except Exception as exc:
+                raise CheckpointError(self._abandon(partial, step, exc, [_describe(exc)])) from exc
+            return self._publish(partial, step)
 
         final = self.root / self._on_rank_zero(commit, "commit the checkpoint")
         self.last_step = step
         return final
+
+    def _manifest(self, step: int, files: dict[str, Any], description: dict[str, Any]) -> Manifest:
+        entries = self.committed()
+        self.run_id = self.run_id or uuid.uuid4().hex[:16]
+        return Manifest(
+            unison_version=_unison_version(),
+            torch_version=torch.__version__,
+            run=self.run_id,
+            commit=max((c.manifest.commit for c in entries if c.manifest), default=0) + 1,
+            step=step,
+            created=utc_now(),
+            files=files,
+            **description,
+        )
+
+    def _publish(self, partial: Path, step: int) -> str:
+        """The commit point and what follows it: rename into place, ``latest``, replaced copies, retention."""
+        entries = self.committed()
+        final = self._free_name(step)
+        self._commit(partial, final)  # the commit point
+        self._point_latest(final.name)
+        # The older copies of this step of this run are now replaced.
+        for c in entries:
+            if c.manifest and c.manifest.step == step and c.manifest.run == self.run_id:
+                self._remove(c.path)
+        self._prune(keep=final)
+        return final.name
 
     # ======================================================================= #
     # unison's own files: plain data only
@@ -333,10 +409,42 @@ class Checkpointer:
     # ======================================================================= #
     # Hooks: the I/O
     # ======================================================================= #
-    def _begin(self, partial: Path) -> None:
-        self.storage.make_dir(self.root)
-        self._clean_partials()  # leftovers of interrupted saves: never committed, nobody else writes here
-        self.storage.make_dir(partial)
+    def _begin(self, partial: Path, step: int) -> None:
+        try:
+            self.storage.make_dir(self.root)
+            self._clean_partials()  # leftovers of interrupted saves: never committed, and this run holds the lease
+            self.storage.make_dir(partial)
+        except OSError as exc:
+            raise CheckpointError(self._abandon(partial, step, exc, [_describe(exc)])) from exc
+
+    def _abandon(self, partial: Path, step: int, error: BaseException | None, failed: list[str]) -> str:
+        """Remove a failed save's partial directory (rank 0) and say why it failed, in one message.
+
+        A full disk is named as such (``ENOSPC``, the path, about how many
+        bytes the save needed), whatever the writer raised: torch's zip writer
+        reports it as ``unexpected pos``. The committed checkpoints are never
+        touched.
+        """
+        written = self._bytes_under(partial)
+        full = _disk_full(self.root, error)  # judged before the partial files give their space back
+        self._remove(partial)
+        newest = next((c for c in reversed(self.committed()) if c.manifest is not None), None)
+        kept = f"the last committed checkpoint {newest.path.name} is untouched" if newest else "nothing was committed"
+        if full is not None:
+            needed = max(written, newest.manifest.total_bytes if newest and newest.manifest else 0)
+            return (
+                f"ENOSPC: no space left on {self.root} ({full} bytes free), needed about {needed} bytes to save "
+                f"step {step}; the partial save was removed and {kept}. Free space, then resume with "
+                "--resume auto (ckpt_path='auto')"
+            )
+        reasons = "; ".join(failed)
+        return f"saving step {step} into {self.root} failed ({reasons}); the partial save was removed and {kept}"
+
+    def _bytes_under(self, path: Path) -> int:
+        try:
+            return sum(self.storage.size(path / name) for name in self.storage.list_files(path))
+        except OSError:
+            return 0
 
     def _write(self, directory: Path, write: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
         # Strategies write to a local directory; remote storage uploads this rank's files afterwards.
@@ -365,6 +473,8 @@ class Checkpointer:
         for name in self.storage.list_dir(self.root):
             if name.startswith(".") and name.endswith(".partial"):
                 self._remove(self.root / name)
+            elif name.startswith(".write-probe-"):  # left by older versions when the probe write failed
+                self.storage.remove_file(self.root / name)
         for name in self.storage.interrupted_commits(self.root):
             self._remove(self.root / name)
 
@@ -439,6 +549,35 @@ def check_resume_step(resume_step: int | None, max_steps: int | None) -> None:
             f"the checkpoint resumes at step {resume_step}, beyond max_steps={max_steps}",
             f"set max_steps to at least {resume_step}, or start without ckpt_path",
         )
+
+
+def _describe(exc: BaseException) -> str:
+    return f"rank {rank()}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
+def _disk_full(root: Path, error: BaseException | None) -> int | None:
+    """Free bytes on ``root``'s file system when ``error`` means it is full (ENOSPC, or nearly no space left).
+
+    Writers do not all say ENOSPC (torch's zip writer raises ``unexpected
+    pos``), so a failed write on a file system with less than 1 MiB (or 1 %)
+    free counts as a full disk too. ``None``: not a full local disk.
+    """
+    if split_url(root) is not None:
+        return None  # object storage: no local file system to judge (its staging errors name themselves)
+    seen, enospc = error, False
+    while seen is not None:
+        enospc = enospc or getattr(seen, "errno", None) == errno.ENOSPC
+        seen = seen.__cause__ or seen.__context__
+    path = root
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return None
+    if enospc or usage.free < max(1 << 20, usage.total // 100):
+        return usage.free
+    return None
 
 
 def _rng_file(directory: Path, rank_: int) -> Path:

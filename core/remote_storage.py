@@ -42,21 +42,108 @@ Configuration is s3fs's and botocore's own: ``AWS_ACCESS_KEY_ID``,
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import hashlib
 import os
 import shutil
 import tempfile
+import time
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from unison.errors import ConfigurationError
-from unison.storage import _CHUNK, _URL, REMOTE_SCHEMES, LocalStorage, split_url
+from unison.storage import _CHUNK, _URL, REMOTE_SCHEMES, LocalStorage, StorageUnavailableError, split_url
 
 #: The manifest's file name (kept here too: unison.manifest imports this package's seam).
 _MANIFEST = "manifest.json"
+#: Seconds unison keeps retrying an object-storage call that failed for a transient reason
+#: (``UNISON_STORAGE_RETRY_S`` overrides); the wait doubles from 0.5 s up to 8 s between tries.
+DEFAULT_RETRY_S = 60.0
+
+
+def retry_budget() -> float:
+    return float(os.environ.get("UNISON_STORAGE_RETRY_S", DEFAULT_RETRY_S))
+
+
+def _transient(exc: BaseException) -> bool:
+    """An error a later try may not see: the endpoint unreachable, a dropped connection, a timeout, a 5xx."""
+    import botocore.exceptions
+
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (FileNotFoundError, PermissionError, FileExistsError, StorageUnavailableError)):
+            return False
+        if isinstance(seen, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError, TimeoutError)):
+            return True
+        if isinstance(seen, ConnectionError) or getattr(seen, "errno", None) in _NET_ERRNOS:
+            return True
+        if type(seen).__module__.startswith("aiohttp"):
+            return True
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict) and response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+_NET_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH}
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    """A conditional write or delete the server refused because the object is not at the version named."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
+                return True
+        if "pre-condition" in str(seen).lower() or "precondition" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _retried(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Retry a storage method on transient errors with bounded backoff, then fail with one clear message.
+
+    Every retry is counted in :attr:`FsspecStorage.retries` (the trainer logs
+    it as ``checkpoint/storage_retries``). The final error names the object,
+    the endpoint, the tries and the last cause, without botocore's traceback.
+    """
+
+    def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def wrapper(self: FsspecStorage, target: Any, *args: Any, **kwargs: Any) -> Any:
+            budget, start, delay, tries = retry_budget(), time.monotonic(), 0.5, 0
+            while True:
+                tries += 1
+                try:
+                    return method(self, target, *args, **kwargs)
+                except Exception as exc:
+                    if not _transient(exc):
+                        raise
+                    waited = time.monotonic() - start
+                    if waited + delay > budget:
+                        where = target if isinstance(target, Path) else f"{self.scheme}://{target}"
+                        raise StorageUnavailableError(
+                            f"object storage at {self.endpoint} failed to {what} {where}: {tries} tries over "
+                            f"{waited:.0f} s (UNISON_STORAGE_RETRY_S={budget:g}); last error: "
+                            f"{type(exc).__name__}: {_first_line(exc)}. The last committed checkpoint is "
+                            "untouched; once the store answers, restart with --resume auto (ckpt_path='auto')"
+                        ) from None
+                    self.retries += 1
+                    time.sleep(delay)
+                    delay = min(delay * 2, 8.0)
+
+        return wrapper
+
+    return decorate
 
 
 class RemotePath(type(Path())):  # type: ignore[misc]  # the concrete Path class of this platform
@@ -91,12 +178,25 @@ class FsspecStorage(LocalStorage):
         import fsspec
 
         self.scheme = scheme
+        options = dict(storage_options)
+        # unison retries transient failures itself (bounded, counted, one clear message at the end):
+        # the client library's own retry loops are cut to one try so the two do not multiply.
+        options.setdefault("config_kwargs", {}).setdefault("retries", {"max_attempts": 1, "mode": "standard"})
         # Listings are never cached (other ranks and runs write the bucket) and
         # the instance is private (its options are this run's).
-        self.fs = fsspec.filesystem(scheme, use_listings_cache=False, skip_instance_cache=True, **storage_options)
+        self.fs = fsspec.filesystem(scheme, use_listings_cache=False, skip_instance_cache=True, **options)
+        if hasattr(self.fs, "retries"):
+            self.fs.retries = 1  # s3fs's own loop (a class attribute, 5 tries)
+        #: Object-storage calls retried after a transient failure, since this storage was opened.
+        self.retries = 0
         self._cache_dir = Path(tempfile.mkdtemp(prefix="unison-objects-"))
         self._cached: dict[str, str] = {}  # local cache file -> ETag of the object it holds
         weakref.finalize(self, shutil.rmtree, self._cache_dir, True)
+
+    @property
+    def endpoint(self) -> str:
+        """The server this storage talks to, for messages."""
+        return str(getattr(self.fs, "endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3")
 
     def root_path(self, rest: str) -> Path:
         return RemotePath(f"{self.scheme}://{rest}")
@@ -148,6 +248,7 @@ class FsspecStorage(LocalStorage):
             ) from None
 
     # -- queries ------------------------------------------------------------ #
+    @_retried("look up")
     def exists(self, path: Path) -> bool:
         """An object, or a prefix with an object under it (S3's meaning; some servers keep empty directories)."""
         key = self._key(path)
@@ -158,10 +259,12 @@ class FsspecStorage(LocalStorage):
         # find() answers an empty prefix with its own directory entry on such servers: count objects only.
         return any(info.get("type") != "directory" for info in self.fs.find(key, detail=True).values())
 
+    @_retried("look up")
     def is_dir(self, path: Path) -> bool:
         key = self._key(path)
         return super().is_dir(path) if key is None else self.fs.isdir(key)
 
+    @_retried("list")
     def list_dir(self, path: Path) -> list[str]:
         key = self._key(path)
         if key is None:
@@ -172,16 +275,19 @@ class FsspecStorage(LocalStorage):
             return []
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != key})
 
+    @_retried("list")
     def list_files(self, path: Path) -> list[str]:
         key = self._key(path)
         if key is None:
             return super().list_files(path)
         return sorted(f[len(key) + 1 :] for f in self.fs.find(key))
 
+    @_retried("stat")
     def size(self, path: Path) -> int:
         key = self._key(path)
         return super().size(path) if key is None else int(self.fs.info(key)["size"])
 
+    @_retried("read")
     def digest(self, path: Path, *, sync: bool = False) -> tuple[int, str]:
         key = self._key(path)
         if key is None:
@@ -204,6 +310,7 @@ class FsspecStorage(LocalStorage):
     def read_text(self, path: Path) -> str:
         return self.read_bytes(path).decode()
 
+    @_retried("read")
     def read_bytes(self, path: Path) -> bytes:
         key = self._key(path)
         return super().read_bytes(path) if key is None else self.fs.cat_file(key)
@@ -214,6 +321,7 @@ class FsspecStorage(LocalStorage):
             super().make_dir(path)
         # Object stores have no directories: a prefix exists once an object is under it.
 
+    @_retried("write")
     def write_bytes(self, path: Path, data: bytes, *, sync: bool = True) -> None:
         key = self._key(path)
         if key is None:
@@ -221,6 +329,7 @@ class FsspecStorage(LocalStorage):
         else:
             self.fs.pipe_file(key, data)  # durable once the PUT returns
 
+    @_retried("write")
     def replace_file(self, path: Path, text: str) -> None:
         key = self._key(path)
         if key is None:
@@ -254,9 +363,11 @@ class FsspecStorage(LocalStorage):
         names = [n for n in self.list_dir(root) if n.startswith("step-")]
         return [n for n in names if not self.exists(root / n / _MANIFEST) and self.exists(root / n)]
 
+    @_retried("copy")
     def _copy_object(self, src: str, dst: str) -> None:
         self.fs.copy(src, dst)  # server-side copy
 
+    @_retried("delete")
     def remove_file(self, path: Path) -> None:
         key = self._key(path)
         if key is None:
@@ -264,12 +375,61 @@ class FsspecStorage(LocalStorage):
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(key)
 
+    @_retried("delete")
     def remove_tree(self, path: Path) -> None:
         key = self._key(path)
         if key is None:
             return super().remove_tree(path)
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(key, recursive=True)
+
+    # -- conditional writes (the lease): the version is the object's ETag -- #
+    @_retried("read")
+    def read_versioned(self, path: Path) -> tuple[bytes, str] | None:
+        key = self._key(path)
+        if key is None:
+            return super().read_versioned(path)
+        try:
+            info = self.fs.info(key)
+            data = self.fs.cat_file(key)
+        except FileNotFoundError:
+            return None
+        # The ETag read with the bytes: a write between the two makes the next conditional write fail, as it should.
+        return data, str(info.get("ETag") or info.get("etag"))
+
+    @_retried("write")
+    def write_if(self, path: Path, data: bytes, version: str | None) -> str | None:
+        """A PUT with ``If-None-Match: "*"`` (create) or ``If-Match: version``; the new ETag, ``None`` if refused."""
+        key = self._key(path)
+        if key is None:
+            return super().write_if(path, data, version)
+        try:
+            if version is None:
+                out = self.fs.pipe_file(key, data, mode="create")
+            else:
+                out = self.fs.pipe_file(key, data, IfMatch=version)
+        except OSError as exc:
+            if _precondition_failed(exc):
+                return None
+            raise
+        etag = out.get("ETag") if isinstance(out, dict) else None
+        return str(etag or self.fs.info(key).get("ETag"))
+
+    @_retried("delete")
+    def delete_if(self, path: Path, version: str) -> bool:
+        key = self._key(path)
+        if key is None:
+            return super().delete_if(path, version)
+        bucket, name = key.split("/", 1)
+        try:
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=version)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            if _precondition_failed(exc):
+                return False
+            raise
+        return True
 
     # -- the strategies' local directories ---------------------------------- #
     @contextlib.contextmanager
@@ -291,6 +451,7 @@ class FsspecStorage(LocalStorage):
         finally:
             shutil.rmtree(local, ignore_errors=True)
 
+    @_retried("upload to")
     def upload(self, local: Path, path: Path, names: list[str]) -> None:
         """Copy the files ``names`` (relative POSIX paths) of local directory ``local`` to ``path/name``."""
         key = self._key(path)
@@ -317,6 +478,7 @@ class FsspecStorage(LocalStorage):
         local_root.mkdir(parents=True, exist_ok=True)
         return local_root
 
+    @_retried("download")
     def _fetch(self, key: str, info: dict[str, Any] | None = None) -> str:
         """The local cache file holding object ``key``, downloaded unless cached at its current ETag."""
         info = info or self.fs.info(key)

@@ -22,6 +22,7 @@ is a :class:`~unison.errors.ConfigurationError` before anything is written.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import re
@@ -30,7 +31,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from unison.errors import ConfigurationError
+from unison.errors import ConfigurationError, UnisonError
+
+
+class StorageUnavailableError(UnisonError):
+    """Object storage did not answer within unison's retry budget; the message names the object and endpoint."""
+
 
 #: Bytes read at a time while hashing: large enough to keep sha256 busy.
 _CHUNK = 1 << 20
@@ -129,6 +135,56 @@ class LocalStorage:
     def remove_tree(self, path: Path) -> None:
         """Delete a directory and everything under it (missing is fine)."""
         shutil.rmtree(path, ignore_errors=True)
+
+    # -- conditional writes (the lease, :mod:`unison.lease`) ----------------- #
+    # A version is an opaque token for one content of a file: here its sha256;
+    # object storage uses the ETag. Each read-compare-write runs under flock on
+    # a sibling guard file, so two processes never both win.
+    def read_versioned(self, path: Path) -> tuple[bytes, str] | None:
+        """``(content, version)`` of a small file, ``None`` when it does not exist."""
+        with self._guard(path):
+            return self._read_versioned(path)
+
+    def write_if(self, path: Path, data: bytes, version: str | None) -> str | None:
+        """Write ``data`` if the file is at ``version`` (``None``: does not exist); its new version, or ``None``."""
+        with self._guard(path):
+            current = self._read_versioned(path)
+            if (current[1] if current else None) != version:
+                return None
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                self.write_bytes(tmp, data)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            self._sync_dir(path.parent)
+            return hashlib.sha256(data).hexdigest()
+
+    def delete_if(self, path: Path, version: str) -> bool:
+        """Delete the file if it is at ``version``; whether it was deleted."""
+        with self._guard(path):
+            current = self._read_versioned(path)
+            if current is None or current[1] != version:
+                return False
+            path.unlink()
+            return True
+
+    def _read_versioned(self, path: Path) -> tuple[bytes, str] | None:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        return data, hashlib.sha256(data).hexdigest()
+
+    @contextlib.contextmanager
+    def _guard(self, path: Path) -> Iterator[None]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_name(path.name + ".guard"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     # -- the strategies' local directories ---------------------------------- #
     @contextlib.contextmanager

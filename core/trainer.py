@@ -680,6 +680,10 @@ class Trainer:
             with self._guard:  # SIGTERM/SIGUSR1 -> stop at a step boundary; first error to torchrun
                 self.env = self._setup_environment()
                 runs.agree(self)  # ranks of a bare torchrun take rank 0's fresh version
+                if self.checkpointer is not None:
+                    # One writer per checkpoint directory: rank 0 takes the lease, every rank hears the
+                    # outcome before any setup or step (unison.lease says why here and not earlier).
+                    self.checkpointer.acquire(ckpt_path)
                 self._fit(model, optimizer, lr_scheduler, val, ckpt_path)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt) and self.checkpointer is not None and self.is_global_zero:
@@ -693,6 +697,8 @@ class Trainer:
             self.pm.unison_on_exception(trainer=self, exception=exc)
             raise
         finally:
+            if self.checkpointer is not None:
+                self.checkpointer.release()
             data.close()
             self.strategy.teardown()
             if self._owns_process_group:
@@ -1071,7 +1077,11 @@ class Trainer:
                 "state_dict": self.ownership.to_dict()["state_dict"],
             }
 
-        return checkpointer.save(self.progress.global_step, write)
+        path = checkpointer.save(self.progress.global_step, write)
+        retries = getattr(checkpointer.storage, "retries", None)
+        if retries is not None:  # object storage: calls retried after transient failures, so far in this run
+            self.log({"checkpoint/storage_retries": float(retries)})
+        return path
 
     def _load_checkpoint(self, ckpt_path: str | os.PathLike[str]) -> None:
         assert self.env is not None

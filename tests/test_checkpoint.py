@@ -54,8 +54,8 @@ def test_crash_during_save_keeps_previous_checkpoint_latest(tmp_path):
     ckpt = Checkpointer(tmp_path)
     assert ckpt.latest() == tmp_path / "step-00000004"
     assert not (tmp_path / "step-00000008").exists()
-    # The crashed attempt left only a .partial directory, which resume ignores.
-    assert (tmp_path / ".step-00000008.partial").exists()
+    # The failed save removed its own partial directory; the committed checkpoints are untouched.
+    assert not (tmp_path / ".step-00000008.partial").exists()
     resumed = unison.Trainer(
         strategy="single",
         global_batch_size=16,
