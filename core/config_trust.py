@@ -19,6 +19,7 @@ it may run; Python callers of :class:`unison.Trainer` are outside this model.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
@@ -61,7 +62,7 @@ class Trust:
         target, sep, attr = spec.rpartition(":")
         if not sep or not target or not attr:
             raise ConfigurationError(key, f"{spec!r} has no 'target:name' form", _FORMS)
-        if target.endswith(".py"):
+        if is_path(target):
             file = self.file(target)
             if not any(file.is_relative_to(root) for root in self.roots):
                 raise ConfigurationError(
@@ -69,8 +70,12 @@ class Trust:
                     f"{spec!r} is outside the config's trust roots ({', '.join(map(str, self.roots))})",
                     "move the file beside the config, or list its directory in [imports] paths",
                 )
+            if not target.endswith(".py"):
+                raise ConfigurationError(key, f"{spec!r} is not a Python file", "name a .py file: 'file.py:function'")
             if not file.is_file():
                 raise ConfigurationError(key, f"{spec!r}: no file {file}", "give the path relative to the config file")
+        elif not all(part.isidentifier() for part in target.split(".")):
+            raise ConfigurationError(key, f"{target!r} is neither a module name nor a .py file", _FORMS)
         elif not self.module_allowed(target):
             raise ConfigurationError(
                 key,
@@ -83,6 +88,11 @@ class Trust:
         return (self.roots[0] / target).resolve()
 
 
+def is_path(target: str) -> bool:
+    """Whether a factory's target names a file (``x.py``, ``dir/x.py``, ``../x``) rather than a module."""
+    return target.endswith(".py") or "/" in target or "\\" in target or target.startswith(".")
+
+
 def resolve_factory(spec: str, base: Path, key: str = "factory", trust: Trust | None = None) -> Callable[..., Any]:
     """``file.py:name`` (relative to ``base``) or ``module:name`` -> the object; ``key`` names it in errors.
 
@@ -93,7 +103,7 @@ def resolve_factory(spec: str, base: Path, key: str = "factory", trust: Trust | 
     target, sep, attr = spec.rpartition(":")
     if not sep or not target:
         raise ConfigurationError(key, f"{spec!r} has no ':name' part", _FORMS)
-    if target.endswith(".py"):
+    if is_path(target):
         module = _load_file((base / target).resolve(), spec, key)
     else:
         try:
@@ -115,7 +125,8 @@ def resolve_factory(spec: str, base: Path, key: str = "factory", trust: Trust | 
 def _load_file(file: Path, spec: str, key: str) -> Any:
     if not file.is_file():
         raise ConfigurationError(key, f"{spec!r}: no file {file}", "give the path relative to the config file")
-    name = f"unison_config_{file.stem}"
+    # Named by stem and path: two configs' factories.py are different modules.
+    name = f"unison_config_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:10]}"
     if name not in sys.modules:
         module_spec = importlib.util.spec_from_file_location(name, file)
         if module_spec is None or module_spec.loader is None:

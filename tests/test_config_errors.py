@@ -140,7 +140,11 @@ def test_several_mistakes_in_one_file_are_reported_together_in_file_order(tmp_pa
 
 
 def test_nan_and_negative_learning_rates_are_named(tmp_path):
-    for lr, says in (("nan", "nan is not a finite number"), ("-0.1", "must not be negative"), ("inf", "inf is not a finite number")):
+    for lr, says in (
+        ("nan", "nan is not a finite number"),
+        ("-0.1", "must not be negative"),
+        ("inf", "inf is not a finite number"),
+    ):
         path = write(tmp_path, BASE.replace("lr = 0.1", f"lr = {lr}"))
         with pytest.raises(ConfigErrors, match=rf"{path}:18: config key optimizer.kwargs.lr: {says}"):
             load_config(path)
@@ -227,3 +231,33 @@ def test_malformed_overrides_are_refused(tmp_path, item, says):
 def test_a_trainer_option_given_as_a_section_points_to_trainer(tmp_path):
     with pytest.raises(ConfigErrors, match=r"config key max_steps: unknown section.*write trainer\.max_steps"):
         load_config(write(tmp_path, BASE), sets=["max_steps=3"])
+
+
+# -- docs/config.md: its blocks are what the code does ----------------------------------------- #
+DOC = (Path(__file__).resolve().parents[1] / "docs" / "config.md").read_text()
+
+
+def _blocks(kind: str) -> list[str]:
+    return [b.split("\n", 1)[1] for b in DOC.split("```")[1::2] if b.startswith(kind + "\n")]
+
+
+def test_the_docs_config_loads_and_its_error_example_is_the_real_output(tmp_path):
+    full, imports = _blocks("toml")
+    shown = _blocks("text")[0].strip().splitlines()
+    path = write(tmp_path, full)
+    config, _ = load_config(path)
+    assert config.trainer.nonfinite == "skip" and config.callbacks[0].kwargs["patience"] == 3
+    mistakes = {"max_steps": "max_step", "weight_decay =": "weight_decy =", "step_size": "step_sise"}
+    for old, new in mistakes.items():
+        full = full.replace(old, new)
+    path.write_text(full)
+    with pytest.raises(ConfigErrors) as raised:
+        load_config(path)
+    real = str(raised.value).replace(str(path), "run.toml").splitlines()
+    assert len(real) == len(shown)
+    for real_line, shown_line in zip(real, shown, strict=True):
+        # the docs shorten long keyword lists with "..."
+        assert real_line.startswith(shown_line.removesuffix("...").removesuffix(", ")), (real_line, shown_line)
+    path.write_text(imports + _blocks("toml")[0])
+    loaded, _ = load_config(path)
+    assert loaded.imports.allow == ["transformers", "torch.nn"] and loaded.imports.paths == ["../shared"]
