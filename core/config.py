@@ -127,6 +127,11 @@ def load_config(
     for key, value in (overrides or {}).items():
         source.raw.setdefault("trainer", {})[key] = value
         source.places["trainer", key] = f"override trainer.{key}"
+    overridden = {item.split("=", 1)[0].split(".")[0].strip() for item in sets}
+    for name, field in RunConfig.model_fields.items():
+        # An override inside a section the file leaves at its default (optimizer.kwargs.lr) edits that default.
+        if name in overridden and name not in source.raw and isinstance(field.default, pydantic.BaseModel):
+            source.raw[name] = field.default.model_dump()
     apply_overrides(source, sets)
     base = source.path.parent.resolve()
     config, problems = _validate(source)

@@ -203,6 +203,12 @@ def test_overrides_reach_any_key(tmp_path):
     assert config.scheduler is not None and config.scheduler.kwargs == {"step_size": 3, "gamma": 0.5}
 
 
+def test_an_override_inside_a_default_section_edits_the_default(tmp_path):
+    text = BASE.split("[optimizer]")[0]  # no [optimizer] section: AdamW with lr 1e-3
+    config, _ = load_config(write(tmp_path, text), sets=["optimizer.kwargs.weight_decay=0.1"])
+    assert (config.optimizer.name, config.optimizer.kwargs) == ("AdamW", {"lr": 1e-3, "weight_decay": 0.1})
+
+
 def test_a_bad_override_is_named_as_the_override(tmp_path):
     path = write(tmp_path, BASE)
     with pytest.raises(ConfigErrors) as raised:
