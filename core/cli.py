@@ -5,8 +5,8 @@
 * ``unison describe NAME`` – the strategy's ownership declaration.
 * ``unison run --nproc N [TORCHRUN_OPTION=VALUE ...] script.py [ARGS]`` – torchrun (multi-node options
   given or derived from SLURM / Kubernetes, see :mod:`unison.cluster`).
-* ``unison train CONFIG [--strategy NAME] [--nproc N] [--resume auto|PATH] [--nnodes N --rdzv-endpoint ...]``
-  – train from a config file.
+* ``unison train CONFIG [--set KEY=VALUE ...] [--strategy NAME] [--nproc N] [--resume auto|PATH]
+  [--nnodes N --rdzv-endpoint ...]`` – train from a config file; ``--set`` overrides any key.
 * ``unison checkpoint inspect|verify|export PATH`` – see :mod:`unison.checkpoint_cli`.
 
 Plugins add more commands through ``unison_add_cli_commands``
@@ -161,6 +161,14 @@ def run(nproc: int | None, cluster: str | None, args: tuple[str, ...]) -> None:
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP + " Overrides [trainer] nproc.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Override [trainer] max_steps.")
 @click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override any config key, e.g. --set trainer.checkpoint_dir=runs/b --set optimizer.kwargs.lr=3e-4 "
+    "(VALUE is read as a TOML value, else as text); validated like the file. Repeatable.",
+)
+@click.option(
     "--resume",
     default=None,
     metavar="auto|PATH",
@@ -185,6 +193,7 @@ def train(
     strategy: str | None,
     nproc: int | None,
     max_steps: int | None,
+    sets: tuple[str, ...],
     resume: str | None,
     max_restarts: int,
     nnodes: str | None,
@@ -213,7 +222,7 @@ def train(
         overrides["strategy"] = strategy
     if max_steps is not None:
         overrides["max_steps"] = max_steps
-    run_config, base = load_config(config, overrides)
+    run_config, base = load_config(config, overrides, sets)
     given = {
         "--nnodes": nnodes,
         "--node-rank": node_rank,
@@ -223,7 +232,7 @@ def train(
     }
     node_args = [f"{flag}={value}" for flag, value in given.items() if value is not None]
     if "LOCAL_RANK" in os.environ:  # a worker torchrun started: train
-        _train_here(config, overrides, resume)
+        _train_here(config, overrides, sets, resume)
         return
     from unison.launch import cluster_launch, run_script
 
@@ -246,26 +255,29 @@ def train(
             config,
             *(["--strategy", strategy] if strategy else []),
             *(["--max-steps", str(max_steps)] if max_steps is not None else []),
+            *(arg for item in sets for arg in ("--set", item)),
             *(["--resume", resume] if resume is not None else []),
         ]
         sys.exit(
             run_script("unison.cli", nproc, argv, ["--module", f"--max-restarts={max_restarts}", *node_args], cluster)
         )
-    _train_here(config, overrides, resume)
+    _train_here(config, overrides, sets, resume)
 
 
-def _train_here(config_path: str, overrides: dict[str, Any], resume: str | None = None) -> None:
+def _train_here(
+    config_path: str, overrides: dict[str, Any], sets: tuple[str, ...] = (), resume: str | None = None
+) -> None:
     from unison.config import load_config, resolve_run
     from unison.trainer import Trainer
 
-    config, base = load_config(config_path, overrides)
+    config, base = load_config(config_path, overrides, sets)
     run = resolve_run(config, base)
     pm = PluginManager()  # a training run: every plugin, in registration order
     settings = config.trainer.model_dump()
     if "LOCAL_RANK" in os.environ:  # a worker: the launcher started as many as --nproc or [trainer] nproc asked
         settings["nproc"] = None
     trainer = Trainer(plugin_manager=pm, callbacks=_config_plugins(config, base, pm), **settings)
-    train_ds, val_ds = run["data"](**config.data.kwargs)
+    train_ds, val_ds = run["data"]()
     progress = trainer.fit(
         # A factory: the trainer seeds before building, so reruns and ranks start alike.
         run["model"],

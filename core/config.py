@@ -1,8 +1,12 @@
 """Config files for ``unison train``: TOML or YAML, validated by pydantic.
 
-Unknown keys are rejected with their full path (``trainer.max_stepz``).
-Factories are ``"file.py:function"`` (relative to the config file) or
-``"package.module:function"``::
+Every problem in a file is reported at once, each with its file and line (or
+the ``--set`` override that gave it), its key and the fix: unknown keys with
+the closest valid name, wrong types, optimizer and scheduler keywords the class
+does not take, NaN or negative learning rates, factories outside the trust
+roots. Factories are ``"file.py:function"`` (relative to the config file) or
+``"package.module:function"``; any key can be overridden on the command line
+(``unison train CONFIG --set optimizer.kwargs.lr=3e-4``)::
 
     [trainer]                       # unison.TrainerSettings
     strategy = "ddp"
@@ -39,312 +43,203 @@ Factories are ``"file.py:function"`` (relative to the config file) or
     [[callbacks]]                   # any plugin object: factory + kwargs, like [model]
     factory = "unison.plugins.callbacks:EarlyStopping"
     kwargs = { monitor = "val/loss", patience = 3 }
+
+    [imports]                       # optional: trust roots beyond the config's directory
+    allow = ["transformers"]        # modules factories may name (with their submodules)
+    paths = ["../shared"]           # directories whose files factories may name
+
+Trust model: a config is code within its trust roots (:mod:`unison.config_trust`):
+factories name files under the config's directory or ``[imports] paths``, and
+modules in ``[imports] allow`` or of installed ``unison`` entry points; anything
+else (``os:system``, ``"../../etc/passwd:x"``) is refused, by name, before it is
+imported. A ``[[callbacks]]`` factory must return a plugin object.
 """
 
 from __future__ import annotations
 
-import difflib
-import importlib
-import importlib.util
-import inspect
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pydantic
-import tomllib
 import torch
-import yaml
 
+from unison.config_optim import (
+    APEX_NOT_INSTALLED,
+    check_optimizer,
+    check_scheduler,
+    keyword_problems,
+    optimizer_factory,
+    scheduler_factory,
+)
+from unison.config_schema import (
+    ClassConfig,
+    FactoryConfig,
+    ImportsConfig,
+    LoggingConfig,
+    LossConfig,
+    MLflowConfig,
+    RunConfig,
+    StepConfig,
+    WandbConfig,
+    unknown_key_hint,
+)
+from unison.config_source import ConfigErrors, Problem, Source, apply_overrides, read_source
+from unison.config_trust import Trust, is_plugin, resolve_factory
 from unison.errors import ConfigurationError
-from unison.settings import TrainerSettings
+
+__all__ = [
+    "APEX_NOT_INSTALLED",
+    "ClassConfig",
+    "ConfigErrors",
+    "FactoryConfig",
+    "ImportsConfig",
+    "LoggingConfig",
+    "LossConfig",
+    "MLflowConfig",
+    "RunConfig",
+    "StepConfig",
+    "Trust",
+    "WandbConfig",
+    "build_callbacks",
+    "check_kwargs",
+    "load_config",
+    "optimizer_factory",
+    "resolve_factory",
+    "resolve_run",
+    "scheduler_factory",
+]
 
 
-class _Strict(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+def load_config(
+    path: str | Path, overrides: dict[str, Any] | None = None, sets: Sequence[str] = ()
+) -> tuple[RunConfig, Path]:
+    """Read, override and check a config file; return it with the config's directory.
+
+    ``overrides`` replace ``[trainer]`` keys; ``sets`` are ``KEY=VALUE``
+    overrides of any key (``optimizer.kwargs.lr=3e-4``, ``callbacks.0.kwargs.patience=5``), applied in
+    order. Everything that can be checked without training is checked here (the
+    schema, the trust roots, every factory's name and keywords, the optimizer
+    and scheduler arguments), and every problem found is raised together as one
+    :class:`ConfigErrors`.
+    """
+    source = read_source(path)
+    for key, value in (overrides or {}).items():
+        source.raw.setdefault("trainer", {})[key] = value
+        source.places["trainer", key] = f"override trainer.{key}"
+    overridden = {item.split("=", 1)[0].split(".")[0].strip() for item in sets}
+    for name, field in RunConfig.model_fields.items():
+        # An override inside a section the file leaves at its default (optimizer.kwargs.lr) edits that default.
+        if name in overridden and name not in source.raw and isinstance(field.default, pydantic.BaseModel):
+            source.raw[name] = field.default.model_dump()
+    apply_overrides(source, sets)
+    base = source.path.parent.resolve()
+    config, problems = _validate(source)
+    sections = _valid_sections(source, problems)
+    imports = sections.get("imports", ImportsConfig())
+    trust = Trust.for_config(base, imports.allow, imports.paths)
+    problems += _factory_problems(sections, base, trust)
+    if "optimizer" in sections:
+        problems += check_optimizer(sections["optimizer"], trust)
+    if sections.get("scheduler") is not None:
+        problems += check_scheduler(sections["scheduler"])
+    source.raise_if(problems)
+    assert config is not None
+    return config, base
 
 
-class FactoryConfig(_Strict):
-    factory: str
-    """``file.py:function`` relative to the config file, or ``module:function``."""
-    kwargs: dict[str, Any] = {}
-    """Keyword arguments for the factory."""
-
-
-class LossConfig(_Strict):
-    factory: str
-    """The loss function ``loss_fn(outputs, targets) -> mean loss``."""
-
-
-class StepConfig(_Strict):
-    factory: str
-    """The step function ``training_step(model, batch) -> mean loss`` (batches of any structure)."""
-
-
-class ClassConfig(_Strict):
-    name: str
-    """Optimizer: a ``torch.optim`` class, ``apex.NAME`` (apex's fused optimizers) or ``package.module:Class``;
-    scheduler: a ``torch.optim.lr_scheduler`` class."""
-    kwargs: dict[str, Any] = {}
-    """Constructor keyword arguments."""
-
-
-class MLflowConfig(_Strict):
-    tracking_uri: str | None = None
-    """Tracking server or store (``http://127.0.0.1:5000``, ``sqlite:///mlflow.db``); ``None``: MLflow's default."""
-    experiment: str = "unison"
-    """Experiment name (created when missing)."""
-    run_name: str | None = None
-    """MLflow run name; ``None``: the run directory's version (``tinylm/version_3``) or MLflow's own."""
-    tags: dict[str, str] = {}
-    """Extra tags on every run."""
-
-
-class WandbConfig(_Strict):
-    project: str = "unison"
-    """W&B project."""
-    mode: Literal["offline", "online", "disabled"] = "offline"
-    """``offline`` writes files only (``wandb sync`` uploads them later)."""
-    entity: str | None = None
-    """W&B entity (team or user)."""
-    tags: list[str] = []
-    """Tags on every run."""
-
-
-class LoggingConfig(_Strict):
-    """Metric loggers; each fit writes into a new ``dir/version_N`` (see ``unison.plugins.loggers``)."""
-
-    dir: str | None = None
-    """Run directory root, relative to the working directory, or an ``s3://bucket/prefix`` URL; each fit gets
-    ``dir/version_N``."""
-    upload_every_s: float = pydantic.Field(30.0, ge=0)
-    """With ``dir`` in object storage: upload the run's files at most this often while metrics are logged (and
-    always at the end of the fit)."""
-    jsonl: bool = False
-    """Write ``version_N/metrics.jsonl`` (one JSON object per logging call)."""
-    csv: bool = False
-    """Write ``version_N/metrics.csv`` (one row per step)."""
-    tensorboard: bool = False
-    """Write TensorBoard event files into ``version_N/tensorboard`` (needs ``unison[tensorboard]``)."""
-    mlflow: MLflowConfig | None = None
-    """Log each fit as an MLflow run (a ``[logging.mlflow]`` table enables it; needs ``unison[mlflow]``)."""
-    wandb: WandbConfig | None = None
-    """Log each fit as a W&B run, offline by default (``[logging.wandb]``; needs ``unison[wandb]``)."""
-
-    @pydantic.model_validator(mode="after")
-    def _file_loggers_need_dir(self) -> LoggingConfig:
-        enabled = [n for n in ("jsonl", "csv", "tensorboard") if getattr(self, n)] + (["wandb"] if self.wandb else [])
-        if enabled and self.dir is None:
-            raise ValueError(f'{", ".join(enabled)} write into a run directory: set dir (e.g. dir = "runs/NAME")')
-        return self
-
-
-class RunConfig(_Strict):
-    trainer: TrainerSettings
-    model: FactoryConfig
-    data: FactoryConfig
-    loss: LossConfig | None = None
-    """The ``(inputs, targets)`` form; give this or ``[training_step]``."""
-    training_step: StepConfig | None = None
-    """The form for batches of any structure; give this or ``[loss]``."""
-    optimizer: ClassConfig = ClassConfig(name="AdamW", kwargs={"lr": 1e-3})
-    scheduler: ClassConfig | None = None
-    logging: LoggingConfig = LoggingConfig()
-    callbacks: list[FactoryConfig] = []
-    """Plugins to register (built-in or third-party callbacks): ``factory(**kwargs)`` each."""
-
-    @pydantic.model_validator(mode="after")
-    def _one_form(self) -> RunConfig:
-        if (self.loss is None) == (self.training_step is None):
-            raise ValueError("give exactly one of the [loss] and [training_step] sections")
-        return self
-
-
-def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> tuple[RunConfig, Path]:
-    """Read and validate a config file; ``overrides`` replace ``[trainer]`` keys."""
-    path = Path(path)
+def _validate(source: Source) -> tuple[RunConfig | None, list[Problem]]:
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigurationError(str(path), f"cannot read the config file ({exc.strerror})", "check the path") from None
-    try:
-        raw = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except tomllib.TOMLDecodeError as exc:
-        # tomllib's message ends with "(at line L, column C)".
-        raise ConfigurationError(str(path), f"TOML syntax error: {exc}", "fix the file at that line") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        raise ConfigurationError(
-            str(path), f"YAML syntax error{where}: {getattr(exc, 'problem', exc)}", "fix the file at that line"
-        ) from None
-    if not isinstance(raw, dict):
-        raise ConfigurationError(str(path), "the config is not a table of sections", "see unison.config for the layout")
-    if overrides:
-        raw.setdefault("trainer", {}).update(overrides)
-    try:
-        return RunConfig(**raw), path.parent.resolve()
+        return RunConfig(**source.raw), []
     except pydantic.ValidationError as exc:
-        err = exc.errors()[0]
-        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        fix = "remove or rename it" if err["type"] == "extra_forbidden" else "see the documented keys in unison.config"
-        got = f" (got {err['input']!r})" if err["loc"] and err["type"] != "missing" else ""
-        raise ConfigurationError(
-            f"config key {key} in {path}", err["msg"].removeprefix("Value error, ") + got, fix
-        ) from None
+        return None, [_problem(err) for err in exc.errors()]
 
 
-def resolve_factory(spec: str, base: Path, key: str = "factory") -> Callable[..., Any]:
-    """``file.py:name`` (relative to ``base``) or ``module:name`` -> the object; ``key`` names it in errors."""
-    target, sep, attr = spec.rpartition(":")
-    if not sep:
-        raise ConfigurationError(key, f"{spec!r} has no ':name' part", "write 'file.py:function' or 'module:function'")
-    if target.endswith(".py"):
-        file = (base / target).resolve()
-        if not file.is_file():
-            raise ConfigurationError(key, f"{spec!r}: no file {file}", "give the path relative to the config file")
-        name = f"unison_config_{file.stem}"
-        if name not in sys.modules:
-            module_spec = importlib.util.spec_from_file_location(name, file)
-            if module_spec is None or module_spec.loader is None:
-                raise ConfigurationError(key, f"cannot load {file}", "check the path")
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[name] = module
-            try:
-                module_spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[name]  # a fixed file can be loaded again
-                raise
-        module = sys.modules[name]
-    else:
+def _problem(err: Any) -> Problem:
+    loc = tuple(err["loc"])
+    if err["type"] == "extra_forbidden":
+        problem, fix = unknown_key_hint(loc)
+        return Problem(loc, problem, fix)
+    if err["type"] == "missing":
+        what = f"[{loc[0]}] section" if len(loc) == 1 else "key"
+        return Problem(loc, f"missing {what}", "add it (see unison.config for the layout)")
+    got = f" (got {err['input']!r})" if loc else ""
+    return Problem(loc, err["msg"].removeprefix("Value error, ") + got, "see the documented keys in unison.config")
+
+
+def _valid_sections(source: Source, problems: list[Problem]) -> dict[str, Any]:
+    """Each section without a schema problem, validated on its own (so later checks still run on it)."""
+    bad = {p.loc[0] for p in problems if p.loc}
+    if any(not p.loc for p in problems):
+        bad.add("loss")  # a whole-config problem ([loss] vs [training_step]): leave both unchecked
+        bad.add("training_step")
+    sections: dict[str, Any] = {}
+    for name, field in RunConfig.model_fields.items():
+        if name in bad:
+            continue
+        value = source.raw.get(name, field.default)
         try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as exc:
-            raise ConfigurationError(
-                key, f"{spec!r}: no module {exc.name!r}", "check the module name, or install it"
-            ) from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        close = difflib.get_close_matches(attr, [n for n in dir(module) if not n.startswith("_")], n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigurationError(key, f"{target} has no {attr!r}{hint}", "check the name after ':'") from None
+            sections[name] = pydantic.TypeAdapter(field.annotation).validate_python(value)
+        except pydantic.ValidationError:
+            continue
+    return sections
+
+
+def _factory_problems(sections: dict[str, Any], base: Path, trust: Trust) -> list[Problem]:
+    """Every factory a config names: inside the trust roots, found, and taking the given keywords."""
+    specs: list[tuple[tuple[str | int, ...], str, dict[str, Any] | None]] = []
+    for name in ("model", "data"):
+        if sections.get(name) is not None:
+            specs.append(((name,), sections[name].factory, sections[name].kwargs))
+    for name in ("loss", "training_step"):
+        if sections.get(name) is not None:
+            specs.append(((name,), sections[name].factory, None))
+    for i, spec in enumerate(sections.get("callbacks", [])):
+        specs.append((("callbacks", i), spec.factory, spec.kwargs))
+    problems = []
+    for loc, spec, kwargs in specs:
+        try:
+            factory = resolve_factory(spec, base, ".".join(map(str, loc)) + ".factory", trust)
+        except ConfigurationError as exc:
+            problems.append(Problem((*loc, "factory"), exc.problem, exc.fix))
+            continue
+        if not callable(factory):
+            problems.append(Problem((*loc, "factory"), f"{spec!r} is not callable", "name a function or class"))
+        elif kwargs is not None:
+            problems += keyword_problems(factory, kwargs, (*loc, "kwargs"), spec)
+    return problems
 
 
 def check_kwargs(factory: Callable[..., Any], kwargs: dict[str, Any], key: str) -> None:
     """Refuse keyword arguments ``factory`` does not take, naming the config key and the valid ones."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):
-        return
-    try:
-        signature.bind(**kwargs)
-    except TypeError as exc:
-        params = [n for n, p in signature.parameters.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        unknown = [k for k in kwargs if k not in signature.parameters]
-        close = difflib.get_close_matches(unknown[0], params, n=1) if unknown else []
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigurationError(
-            key, f"{exc}{hint}", f"use the factory's keywords: {', '.join(params) or 'none'}"
-        ) from None
+    problems = keyword_problems(factory, kwargs, (key,), getattr(factory, "__name__", key))
+    if problems:
+        raise ConfigurationError(key, problems[0].problem, problems[0].fix)
+
+
+def _trust(config: RunConfig, base: Path) -> Trust:
+    return Trust.for_config(base, config.imports.allow, config.imports.paths)
 
 
 def build_callbacks(config: RunConfig, base: Path) -> list[Any]:
-    """The ``[[callbacks]]`` of a config: each ``factory(**kwargs)``, bad arguments named by their index."""
+    """The ``[[callbacks]]`` of a config: each ``factory(**kwargs)``, which must return a plugin object."""
     plugins = []
+    trust = _trust(config, base)
     for i, spec in enumerate(config.callbacks):
-        factory = resolve_factory(spec.factory, base)
+        key = f"callbacks[{i}] ({spec.factory})"
+        factory = resolve_factory(spec.factory, base, key, trust)
         try:
-            plugins.append(factory(**spec.kwargs))
+            plugin = factory(**spec.kwargs)
         except TypeError as exc:
-            raise ConfigurationError(f"callbacks[{i}] ({spec.factory})", str(exc), "check its kwargs") from None
-    return plugins
-
-
-#: Why ``apex.*`` optimizer names fail on a machine without NVIDIA apex.
-APEX_NOT_INSTALLED = "NVIDIA apex is not installed (the PyPI package named apex is unrelated)"
-
-
-def optimizer_factory(config: ClassConfig) -> Callable[[Any], torch.optim.Optimizer]:
-    """The ``[optimizer]`` section as a factory ``params -> Optimizer``.
-
-    ``name`` is one of
-
-    * a class of ``torch.optim`` (``"AdamW"``);
-    * ``"apex.NAME"``: NVIDIA apex's fused optimizer ``apex.optimizers.NAME``
-      (``"apex.FusedAdam"``, ``"apex.FusedLAMB"``); apex is imported here, and a
-      missing apex is a :class:`ConfigurationError` (its fused kernels are
-      CUDA-only: apex itself raises when they are not built);
-    * ``"package.module:Class"``: any importable ``torch.optim.Optimizer`` subclass.
-    """
-    cls = _optimizer_class(config.name)
-    return lambda params: cls(params, **config.kwargs)
-
-
-def _optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    option = "optimizer.name"
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            cls = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
+            raise ConfigurationError(key, str(exc), "check its kwargs") from None
+        if not is_plugin(plugin):
             raise ConfigurationError(
-                option,
-                f"cannot import {name!r} ({type(exc).__name__}: {exc})",
-                "write 'package.module:Class' naming an importable optimizer class",
-            ) from None
-    elif name.startswith("apex."):
-        cls = _apex_optimizer(name.removeprefix("apex."))
-    else:
-        cls = getattr(torch.optim, name, None)
-        if cls is None:
-            raise ConfigurationError(
-                option,
-                f"torch.optim has no {name!r}",
-                "use e.g. 'AdamW' or 'SGD', 'apex.FusedAdam', or 'package.module:Class'",
+                key,
+                f"returned {type(plugin).__name__} {plugin!r:.60}, not a plugin object",
+                "name a factory that returns an object with @unison.hookimpl methods",
             )
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigurationError(option, f"{name!r} is not a torch.optim.Optimizer subclass", "name an optimizer class")
-    return cls
-
-
-def _apex_optimizer(attr: str) -> Any:
-    """``apex.optimizers.<attr>``, or a ConfigurationError saying what is missing."""
-    option, fix = (
-        "optimizer.name",
-        (
-            "build NVIDIA apex from https://github.com/NVIDIA/apex with its CUDA extensions, or use a torch.optim name "
-            "such as 'AdamW'"
-        ),
-    )
-    try:
-        installed = importlib.util.find_spec("apex") is not None
-    except (ImportError, ValueError):
-        installed = False
-    if not installed:
-        raise ConfigurationError(option, f"'apex.{attr}' needs NVIDIA apex: {APEX_NOT_INSTALLED}", fix)
-    try:
-        module = importlib.import_module("apex.optimizers")
-    except Exception as exc:  # a partial build can raise more than ImportError
-        problem = f"'apex.optimizers' fails to import ({type(exc).__name__}: {exc})"
-        raise ConfigurationError(option, problem, fix) from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        known = sorted(n for n in dir(module) if n.startswith("Fused"))
-        raise ConfigurationError(option, f"apex.optimizers has no {attr!r}", f"use one of {known}")
-    return cls
-
-
-def scheduler_factory(config: ClassConfig | None) -> Callable[[Any], Any] | None:
-    if config is None:
-        return None
-    cls = getattr(torch.optim.lr_scheduler, config.name, None)
-    if cls is None:
-        raise ConfigurationError(
-            "scheduler.name", f"torch.optim.lr_scheduler has no {config.name!r}", "use e.g. 'CosineAnnealingLR'"
-        )
-    return lambda optimizer: cls(optimizer, **config.kwargs)
+        plugins.append(plugin)
+    return plugins
 
 
 def resolve_run(config: RunConfig, base: Path) -> dict[str, Any]:
@@ -354,29 +249,43 @@ def resolve_run(config: RunConfig, base: Path) -> dict[str, Any]:
     name, or a keyword the factory does not take, is a ConfigurationError
     naming the config key (so it fails before any worker starts).
     """
-    model = resolve_factory(config.model.factory, base, "model.factory")
+    trust = _trust(config, base)
+    model = resolve_factory(config.model.factory, base, "model.factory", trust)
     check_kwargs(model, config.model.kwargs, "model.kwargs")
-    data = resolve_factory(config.data.factory, base, "data.factory")
+    data = resolve_factory(config.data.factory, base, "data.factory", trust)
     check_kwargs(data, config.data.kwargs, "data.kwargs")
     if config.loss is not None:
-        form = {"loss_fn": resolve_factory(config.loss.factory, base, "loss.factory")}
+        form = {"loss_fn": resolve_factory(config.loss.factory, base, "loss.factory", trust)}
     else:
         assert config.training_step is not None
-        form = {"training_step": resolve_factory(config.training_step.factory, base, "training_step.factory")}
+        form = {"training_step": resolve_factory(config.training_step.factory, base, "training_step.factory", trust)}
 
     def build_model() -> Any:
         try:
-            return model(**config.model.kwargs)
+            built = model(**config.model.kwargs)
         except TypeError as exc:
             # A factory taking **kwargs is checked only when called.
             if "keyword argument" not in str(exc) and "required positional" not in str(exc):
                 raise
             raise ConfigurationError("model.kwargs", str(exc), "use the keywords the model factory takes") from None
+        if not isinstance(built, torch.nn.Module):
+            raise ConfigurationError(
+                "model.factory", f"returned {type(built).__name__}, not a torch.nn.Module", "return the model"
+            )
+        return built
+
+    def build_data() -> tuple[Any, Any]:
+        built = data(**config.data.kwargs)
+        if not (isinstance(built, tuple | list) and len(built) == 2):
+            raise ConfigurationError(
+                "data.factory", f"returned {type(built).__name__}, not a pair", "return (train_dataset, val_dataset)"
+            )
+        return built[0], built[1]
 
     return {
         "model": build_model,
-        "data": data,
+        "data": build_data,
         "form": form,
-        "optimizer": optimizer_factory(config.optimizer),
+        "optimizer": optimizer_factory(config.optimizer, trust),
         "lr_scheduler": scheduler_factory(config.scheduler),
     }

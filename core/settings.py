@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import pydantic
 
-from unison.errors import ConfigurationError
+from unison.errors import ConfigurationError, did_you_mean
 
 
 class TrainerSettings(pydantic.BaseModel):
@@ -74,6 +74,11 @@ class TrainerSettings(pydantic.BaseModel):
     """Steps between plain progress lines; ``None`` prints about 20 lines per run."""
     throughput: bool = True
     """Log step time, samples/s, tokens/s and peak memory on logging steps (the default Throughput callback)."""
+    nonfinite: Literal["raise", "skip", "continue"] = "raise"
+    """A non-finite loss or grad norm (without loss scaling): ``raise`` stops every rank before the optimizer
+    step, ``skip`` skips the step, ``continue`` does not check."""
+    max_consecutive_skips: int = pydantic.Field(25, ge=1)
+    """Skipped steps in a row (fp16 overflows, or ``nonfinite="skip"``) after which training stops."""
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> TrainerSettings:
@@ -93,16 +98,26 @@ class TrainerSettings(pydantic.BaseModel):
 
 
 def parse_settings(settings: dict[str, Any]) -> TrainerSettings:
-    """Validate ``settings`` into :class:`TrainerSettings`; a bad value is a :class:`ConfigurationError`."""
+    """Validate ``settings`` into :class:`TrainerSettings`.
+
+    Every bad value is reported in one :class:`ConfigurationError` naming the
+    first option; an unknown option gets the closest valid name.
+    """
     try:
         return TrainerSettings(**settings)
     except pydantic.ValidationError as exc:
-        err = exc.errors()[0]
-        option = ".".join(str(p) for p in err["loc"]) or "settings"
-        msg = err["msg"].removeprefix("Value error, ")
-        fix = (
-            "remove or rename it"
-            if err["type"] == "extra_forbidden"
-            else "see unison.TrainerSettings for the valid values and types"
-        )
-        raise ConfigurationError(option, f"{msg} (got {err.get('input')!r})" if err["loc"] else msg, fix) from None
+        problems = []
+        for err in exc.errors():
+            option = ".".join(str(p) for p in err["loc"]) or "settings"
+            if err["type"] == "extra_forbidden":
+                hint = did_you_mean(option, TrainerSettings.model_fields)
+                problems.append((option, f"unknown option{hint}", "remove or rename it"))
+                continue
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append((option, f"{msg} (got {err.get('input')!r})" if err["loc"] else msg, _FIX))
+        option, problem, fix = problems[0]
+        more = "".join(f"; {o}: {p}. Fix: {f}" for o, p, f in problems[1:])
+        raise ConfigurationError(option, problem, fix + more) from None
+
+
+_FIX = "see unison.TrainerSettings for the valid values and types"

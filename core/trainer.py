@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Never
 
 import torch
 
@@ -397,21 +397,50 @@ def _broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:
 class Trainer:
     """Train a plain ``nn.Module`` with any registered strategy.
 
+    Every option is a keyword argument with a type and a default (the fields
+    of :class:`TrainerSettings`, which is also the ``[trainer]`` table of a
+    config file), so editors complete them; the values are validated together
+    and a bad one is a :class:`ConfigurationError` naming it.
+
     Args:
+        strategy: registered strategy name (``unison strategies`` lists them).
+        strategy_options: options of that strategy, validated by its own schema.
+        precision: ``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed`` or a precision plugin's name.
+        accumulate_grad_batches: micro-batches per optimizer step.
+        global_batch_size: samples per optimizer step, all ranks together.
+        max_steps: optimizer steps to train for (skipped fp16 steps count); set this or ``max_epochs``.
+        max_epochs: passes over the training data to train for; set this or ``max_steps``.
+        grad_clip_norm: clip by the global L2 norm over all shards; ``None`` only measures it.
+        seed: seeds model construction (when ``fit`` gets a factory), data order and every RNG.
+        shuffle: shuffle map-style data once per epoch (by seed and epoch, never by rank).
+        log_every_n_steps: how often metrics go to loggers.
+        val_every_n_steps: validate every N steps; with a val_dataset, always once at the end.
+        val_batch_size: validation samples per rank per forward.
+        root_dir: runs' home: each fit writes into a new ``root_dir/version_N`` (checkpoints, metrics).
+        checkpoint_dir: exactly where checkpoints go; ``None``: ``root_dir/version_N/checkpoints`` with a
+            ``root_dir``, else none.
+        checkpoint_every_n_steps: save every N steps (and always at the end when checkpoint_dir is set).
+        keep_last_n_checkpoints: delete older committed checkpoints beyond this many.
+        accelerator: ``auto`` (CUDA when available), ``cpu`` or ``cuda``.
+        num_workers: DataLoader worker processes per rank (0: load in the training process).
+        pin_memory: pin host batches so copies to the GPU are asynchronous.
+        prefetch_factor: micro-batches each worker loads ahead (needs ``num_workers > 0``).
+        persistent_workers: keep workers alive between epochs (needs ``num_workers > 0``).
+        progress: progress display on rank 0: ``auto``, ``rich``, ``plain`` or ``off``.
+        progress_every_n_steps: steps between plain progress lines; ``None`` prints about 20 per run.
+        throughput: log step time, samples/s, tokens/s and peak memory (the default Throughput callback).
+        nonfinite: a non-finite loss or grad norm in a precision without loss scaling: ``"raise"``
+            (every rank stops at that step with :class:`NonFiniteError`, before the optimizer step, so
+            no checkpoint holds non-finite weights; one device-to-host read per step), ``"skip"`` (the
+            step and the scheduler step are skipped, counted in ``progress.skipped_steps``) or
+            ``"continue"`` (no check).
+        max_consecutive_skips: skipped steps in a row (fp16 overflows, or ``nonfinite="skip"``) after
+            which training stops with :class:`NonFiniteError` instead of skipping forever.
+        nproc: processes on this node: ``python train.py`` then starts them itself (docs/launch.md);
+            ``None``: as launched.
         callbacks: pluggy plugins (objects with ``@unison.hookimpl`` methods).
         loggers: also plugins; they implement ``unison_log_metrics``.
         plugin_manager: reuse a manager instead of building one (advanced).
-        nonfinite: what a non-finite loss or grad norm does in a precision
-            without loss scaling: ``"raise"`` (default: every rank stops at that
-            step with :class:`NonFiniteError`, before the optimizer step, so no
-            checkpoint ever holds non-finite weights; costs one device-to-host
-            read per step), ``"skip"`` (the step and the scheduler step are
-            skipped, counted in ``progress.skipped_steps``), ``"continue"`` (no
-            check).
-        max_consecutive_skips: skipped steps in a row (fp16 overflows, or
-            ``nonfinite="skip"``) after which training stops with
-            :class:`NonFiniteError` instead of skipping forever.
-        **settings: the fields of :class:`TrainerSettings`.
 
     Every check that can be made before the process group starts is made here
     and at the start of :meth:`fit`.
@@ -420,25 +449,48 @@ class Trainer:
     def __init__(
         self,
         *,
+        strategy: str = "single",
+        nproc: int | None = None,
+        strategy_options: dict[str, Any] | None = None,
+        precision: str = "32-true",
+        accumulate_grad_batches: int = 1,
+        global_batch_size: int = 32,
+        max_steps: int | None = None,
+        max_epochs: int | None = None,
+        grad_clip_norm: float | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        log_every_n_steps: int = 1,
+        val_every_n_steps: int | None = None,
+        val_batch_size: int = 32,
+        root_dir: str | None = None,
+        checkpoint_dir: str | None = None,
+        checkpoint_every_n_steps: int | None = None,
+        keep_last_n_checkpoints: int | None = None,
+        accelerator: Literal["auto", "cpu", "cuda"] = "auto",
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        progress: Literal["auto", "rich", "plain", "off"] = "auto",
+        progress_every_n_steps: int | None = None,
+        throughput: bool = True,
+        nonfinite: Literal["raise", "skip", "continue"] = "raise",
+        max_consecutive_skips: int = 25,
         callbacks: Iterable[Any] = (),
         loggers: Iterable[Any] = (),
         plugin_manager: PluginManager | None = None,
-        nonfinite: str = "raise",
-        max_consecutive_skips: int = 25,
-        **settings: Any,
+        **unknown: Never,
     ) -> None:
-        self.settings = parse_settings(settings)
+        # ``unknown`` is typed Never so type checkers flag a misspelled option; at run time it is kept so
+        # the typo is a ConfigurationError with the closest name (exit 2), not a bare TypeError.
+        given = {name: value for name, value in locals().items() if name in TrainerSettings.model_fields}
+        if strategy_options is None:
+            given.pop("strategy_options")
+        self.settings = parse_settings({**given, **unknown})
+        self.nonfinite, self.max_consecutive_skips = self.settings.nonfinite, self.settings.max_consecutive_skips
         if self.settings.root_dir is not None:
             runs.check_root(self.settings.root_dir)  # before the default loggers open it
-        if nonfinite not in ("raise", "skip", "continue"):
-            raise ConfigurationError("nonfinite", f"unknown policy {nonfinite!r}", "use 'raise', 'skip' or 'continue'")
-        if (
-            isinstance(max_consecutive_skips, bool)
-            or not isinstance(max_consecutive_skips, int)
-            or max_consecutive_skips < 1
-        ):
-            raise ConfigurationError("max_consecutive_skips", f"got {max_consecutive_skips!r}", "pass an int >= 1")
-        self.nonfinite, self.max_consecutive_skips = nonfinite, max_consecutive_skips
         self.pm = plugin_manager or PluginManager()
         explicit = [*callbacks, *loggers]
         for plugin in explicit:

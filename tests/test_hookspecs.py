@@ -41,6 +41,7 @@ def _fire_every_hook(tmp_path: Path) -> None:
     config = tmp_path / "tiny.toml"
     text = (ROOT / "examples" / "tinylm.toml").read_text()
     text = text.replace('factory = "tinylm.py', f'factory = "{ROOT}/examples/tinylm.py')
+    text = f'[imports]\npaths = ["{ROOT}/examples"]\n' + text  # a trust root beyond the config's directory
     text = text.replace('root_dir = "runs/tinylm"', f'root_dir = "{tmp_path}/runs"')
     text = text.replace("max_bytes = 400000", "max_bytes = 40000")
     config.write_text(text.replace('dir = "runs/tinylm"', f'dir = "{tmp_path}/runs"'))

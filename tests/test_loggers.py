@@ -158,6 +158,7 @@ def test_a_logger_whose_package_is_missing_names_the_extra(tmp_path, monkeypatch
 def _write_config(tmp_path: Path, logging: str) -> Path:
     text = (ROOT / "examples" / "tinylm.toml").read_text().split("[logging]")[0]
     config = tmp_path / "c.toml"
+    text = f'[imports]\npaths = ["{ROOT}/examples"]\n' + text  # a trust root beyond the config's directory
     config.write_text(text.replace('factory = "tinylm.py', f'factory = "{ROOT}/examples/tinylm.py') + logging)
     return config
 

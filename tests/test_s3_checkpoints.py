@@ -257,6 +257,7 @@ def test_unison_train_on_two_nodes_checkpoints_to_the_bucket_and_resumes(s3, tmp
     url = f"s3://{s3_server.BUCKET}/two-nodes"
     text = (ROOT / "examples" / "tinylm.toml").read_text()
     text = text.replace('factory = "tinylm.py', f'factory = "{ROOT}/examples/tinylm.py')
+    text = f'[imports]\npaths = ["{ROOT}/examples"]\n' + text  # a trust root beyond the config's directory
     text = re.sub(r"(?m)^root_dir = .*$", f'checkpoint_dir = "{url}"', text)  # (runs in object storage)
     text = text.replace('strategy = "single"', 'strategy = "ddp"').replace("max_bytes = 400000", "max_bytes = 20000")
     text = text.replace("checkpoint_every_n_steps = 75", "checkpoint_every_n_steps = 2")
