@@ -70,6 +70,8 @@ class TrainerSettings(pydantic.BaseModel):
     """Steps between plain progress lines; ``None`` prints about 20 lines per run."""
     throughput: bool = True
     """Log step time, samples/s, tokens/s and peak memory on logging steps (the default Throughput callback)."""
+    stall_timeout_s: float | None = pydantic.Field(300.0, ge=1)
+    """Seconds a rank's heartbeat may stop before every live rank names it and exits with code 3; None: no watchdog."""
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> TrainerSettings:

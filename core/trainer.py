@@ -38,13 +38,14 @@ from unison.checkpoint import Checkpointer, check_resume_step, resume_point
 from unison.data import TrainData, check_divisible, is_map_style, resolve_source, validation_stream
 from unison.env import DistEnv, device_for, resolve_accelerator, world_from_env
 from unison.errors import ConfigurationError, DeclaredRefusal, UnisonError
-from unison.lifecycle import RunGuard, init_process_group
+from unison.lifecycle import RunGuard, collective_timeout_s, init_process_group
 from unison.manager import PluginManager
 from unison.ownership import AccumulationOwner, Feature, GradSync, ReplicaInit
 from unison.precision import DelegatedPrecision, Precision
 from unison.settings import TrainerSettings, parse_settings
 from unison.state import rng_state, seed_everything, set_rng_state
 from unison.strategy import LossFn, Strategy, check_contract
+from unison.watchdog import Watchdog, check_stall_timeout, start_watchdog
 
 OptimizerArg = Callable[[Any], torch.optim.Optimizer]
 SchedulerArg = Callable[[torch.optim.Optimizer], Any]
@@ -446,6 +447,8 @@ class Trainer:
         self._owns_process_group = False
         self._control_group: Any = None
         self._guard: RunGuard | None = None  # set for the duration of fit
+        #: Where this rank is, (step, phase), for the stall watchdog; inert until fit starts one.
+        self._watchdog = Watchdog(None, 0, 1)
         #: ``False`` until ``fit`` has finished its checks and starts the process
         #: group and the strategy's setup (refusals only ever happen before).
         self.setup_started = False
@@ -622,6 +625,7 @@ class Trainer:
             self.checkpointer.claim(ckpt_path)  # never write into another run's checkpoints
         elif ckpt_path is not None:
             check_resume_step(resume_point(ckpt_path), s.max_steps)
+        check_stall_timeout(s.stall_timeout_s, collective_timeout_s())
 
         self.loss_fn, self.training_step, self.data = loss_fn, training_step, data
         self._final_state = None
@@ -632,6 +636,9 @@ class Trainer:
         try:
             with self._guard:  # SIGTERM/SIGUSR1 -> stop at a step boundary; first error to torchrun
                 self.env = self._setup_environment()
+                self._watchdog = self._guard.watch(
+                    start_watchdog(s.stall_timeout_s, self.env.rank, self.env.world_size)
+                )
                 self._fit(model, optimizer, lr_scheduler, val, ckpt_path)
         except BaseException as exc:
             self.pm.unison_on_exception(trainer=self, exception=exc)
@@ -699,6 +706,7 @@ class Trainer:
 
         hook.unison_on_fit_start(trainer=self)
         if ckpt_path is not None:
+            self._watchdog.mark(0, "load_checkpoint")
             self._load_checkpoint(ckpt_path)
 
         self._fitting = True
@@ -706,6 +714,7 @@ class Trainer:
             self._loop(val)
         finally:
             self._fitting = False
+        self._watchdog.mark(self.progress.global_step, "fit_end")
         # The end: validation and checkpoint once, unless the last step just had them.
         if val is not None and self._last_validated != self.progress.global_step:
             self.validate()
@@ -723,26 +732,33 @@ class Trainer:
         assert self.data is not None
         epoch = None
         self._last_validated = None
+        watchdog = self._watchdog
         for batch in self.data.steps(self.progress.global_step):
             step = batch.step
+            watchdog.mark(step, "forward_backward")
             if batch.epoch != epoch:
                 epoch = batch.epoch
                 hook.unison_on_train_epoch_start(trainer=self, epoch=epoch)
             output = self._train_step(batch)
             self.progress.global_step = done = step + 1
             self.progress.history.append(output)
+            watchdog.mark(step, "step_end")
             hook.unison_on_train_step_end(trainer=self, step=step, output=output)
             if done % s.log_every_n_steps == 0:
                 self._log_step(output)
             if batch.last_in_epoch:
                 hook.unison_on_train_epoch_end(trainer=self, epoch=epoch)
             if val is not None and s.val_every_n_steps and done % s.val_every_n_steps == 0:
+                watchdog.mark(step, "validation")
                 self.validate()
                 self._last_validated = done
             if self.checkpointer and s.checkpoint_every_n_steps and done % s.checkpoint_every_n_steps == 0:
+                watchdog.mark(step, "checkpoint")
                 self.save_checkpoint()
+            watchdog.mark(step, "stop_agreement")
             if self._agree_to_stop():
                 break
+            watchdog.mark(done, "data")
 
     def _agree_to_stop(self) -> bool:
         """Combine every rank's ``should_stop`` and stop request (signal) at the step boundary.
@@ -771,6 +787,7 @@ class Trainer:
         step = batch.step
         hook.unison_on_train_step_start(trainer=self, step=step)
         losses = self._forward_backward(batch.micro_batches)
+        self._watchdog.mark(step, "optimizer_step")
         hook.unison_on_after_backward(trainer=self, step=step)
 
         # Every micro-batch's loss and the step's tokens, summed over replicas in one collective.
