@@ -8,6 +8,10 @@
   into a *stop request* that the trainer honours at the next optimizer-step
   boundary, and, under torchrun, records the exception that ended the run in
   torchrun's error file so the launcher can name the first failure.
+* :meth:`RunGuard.watch` ties the run's :class:`~unison.watchdog.Watchdog`
+  (hung ranks named in seconds) to the guarded ``fit``: it stops before the
+  process group goes away. NCCL groups get torch's flight recorder
+  (:func:`enable_nccl_flight_recorder`).
 * :class:`Preempted` is how ``fit`` ends after a stop request: a
   ``SystemExit`` with :data:`PREEMPTED_EXIT_CODE`, raised once a checkpoint
   is committed.
@@ -83,8 +87,31 @@ def init_process_group(backend: str) -> None:
     """
     dist = torch.distributed
     _warn_shared_store()
+    if "nccl" in backend:
+        enable_nccl_flight_recorder()
     dist.init_process_group(backend, timeout=_seconds("UNISON_RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT_S))
     dist.distributed_c10d._set_pg_timeout(_seconds("UNISON_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S))
+
+
+def collective_timeout_s() -> float:
+    """The collective timeout :func:`init_process_group` gives the group, in seconds."""
+    return _seconds("UNISON_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S).total_seconds()
+
+
+def enable_nccl_flight_recorder() -> None:
+    """Turn on torch's NCCL flight recorder unless the environment already configures it.
+
+    It keeps the last collectives of each rank (``TORCH_NCCL_TRACE_BUFFER_SIZE``)
+    and writes them to ``TORCH_FR_DUMP_TEMP_FILE`` + rank on a collective
+    timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``); the watchdog
+    (:mod:`unison.watchdog`) dumps it on a stall and prints the path. Must run
+    before the NCCL group is created.
+    """
+    import tempfile
+
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(tempfile.gettempdir(), "unison_nccl_trace_rank_"))
 
 
 def _warn_shared_store() -> None:
@@ -119,6 +146,12 @@ class RunGuard:
         self.signals = signals
         self.received: str | None = None
         self._previous: dict[signal.Signals, Any] = {}
+        self._watchdog: Any = None
+
+    def watch(self, watchdog: Any) -> Any:
+        """Stop ``watchdog`` (a :class:`unison.watchdog.Watchdog`) when the guarded ``fit`` ends, however it ends."""
+        self._watchdog = watchdog
+        return watchdog
 
     # -- stop requests -------------------------------------------------------- #
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -167,6 +200,9 @@ class RunGuard:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._watchdog is not None:  # before the process group goes: its store may go with it
+            self._watchdog.stop()
+            self._watchdog = None
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()

@@ -79,6 +79,8 @@ class TrainerSettings(pydantic.BaseModel):
     step, ``skip`` skips the step, ``continue`` does not check."""
     max_consecutive_skips: int = pydantic.Field(25, ge=1)
     """Skipped steps in a row (fp16 overflows, or ``nonfinite="skip"``) after which training stops."""
+    stall_timeout_s: float | None = pydantic.Field(300.0, ge=1)
+    """Seconds a rank's heartbeat may stop before every live rank names it and exits with code 3; None: no watchdog."""
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> TrainerSettings:

@@ -41,13 +41,14 @@ from unison.data import TrainData, check_divisible, is_map_style, resolve_source
 from unison.env import DistEnv, device_for, resolve_accelerator, world_from_env
 from unison.errors import ConfigurationError, DeclaredRefusal, UnisonError
 from unison.launch import check_nproc, start_workers
-from unison.lifecycle import RunGuard, init_process_group
+from unison.lifecycle import RunGuard, collective_timeout_s, init_process_group
 from unison.manager import PluginManager
 from unison.ownership import AccumulationOwner, Feature, GradSync, ReplicaInit
 from unison.precision import DelegatedPrecision, Precision
 from unison.settings import TrainerSettings, parse_settings
 from unison.state import rng_state, seed_everything, set_rng_state
 from unison.strategy import LossFn, Strategy, check_contract
+from unison.watchdog import Watchdog, check_stall_timeout, start_watchdog
 
 OptimizerArg = Callable[[Any], torch.optim.Optimizer]
 SchedulerArg = Callable[[torch.optim.Optimizer], Any]
@@ -436,6 +437,8 @@ class Trainer:
             ``"continue"`` (no check).
         max_consecutive_skips: skipped steps in a row (fp16 overflows, or ``nonfinite="skip"``) after
             which training stops with :class:`NonFiniteError` instead of skipping forever.
+        stall_timeout_s: seconds a rank's heartbeat may stop before every live rank names it, dumps its
+            stacks and exits with code 3 (:mod:`unison.watchdog`); ``None``: no watchdog.
         nproc: processes on this node: ``python train.py`` then starts them itself (docs/launch.md);
             ``None``: as launched.
         callbacks: pluggy plugins (objects with ``@unison.hookimpl`` methods).
@@ -477,6 +480,7 @@ class Trainer:
         throughput: bool = True,
         nonfinite: Literal["raise", "skip", "continue"] = "raise",
         max_consecutive_skips: int = 25,
+        stall_timeout_s: float | None = 300.0,
         callbacks: Iterable[Any] = (),
         loggers: Iterable[Any] = (),
         plugin_manager: PluginManager | None = None,
@@ -524,6 +528,8 @@ class Trainer:
         self._owns_process_group = False
         self._control_group: Any = None
         self._guard: RunGuard | None = None  # set for the duration of fit
+        #: Where this rank is, (step, phase), for the stall watchdog; inert until fit starts one.
+        self._watchdog = Watchdog(None, 0, 1)
         #: ``False`` until ``fit`` has finished its checks and starts the process
         #: group and the strategy's setup (refusals only ever happen before).
         self.setup_started = False
@@ -721,6 +727,7 @@ class Trainer:
             self.checkpointer.claim(ckpt_path)  # never write into another run's checkpoints
         elif ckpt_path is not None:
             check_resume_step(resume_point(ckpt_path), s.max_steps)
+        check_stall_timeout(s.stall_timeout_s, collective_timeout_s())
 
         self.loss_fn, self.training_step, self.data = loss_fn, training_step, data
         self._final_state = None
@@ -731,6 +738,9 @@ class Trainer:
         try:
             with self._guard:  # SIGTERM/SIGUSR1 -> stop at a step boundary; first error to torchrun
                 self.env = self._setup_environment()
+                self._watchdog = self._guard.watch(
+                    start_watchdog(s.stall_timeout_s, self.env.rank, self.env.world_size)
+                )
                 runs.agree(self)  # ranks of a bare torchrun take rank 0's fresh version
                 if self.checkpointer is not None:
                     # One writer per checkpoint directory: rank 0 takes the lease, every rank hears the
@@ -813,6 +823,7 @@ class Trainer:
 
         hook.unison_on_fit_start(trainer=self)
         if ckpt_path is not None:
+            self._watchdog.mark(0, "load_checkpoint")
             self._load_checkpoint(ckpt_path)
 
         self._fitting = True
@@ -820,6 +831,7 @@ class Trainer:
             self._loop(val)
         finally:
             self._fitting = False
+        self._watchdog.mark(self.progress.global_step, "fit_end")
         # The end: validation and checkpoint once, unless the last step just had them.
         if val is not None and self._last_validated != self.progress.global_step:
             self.validate()
@@ -841,26 +853,33 @@ class Trainer:
         assert self.data is not None
         epoch = None
         self._last_validated = None
+        watchdog = self._watchdog
         for batch in self.data.steps(self.progress.global_step):
             step = batch.step
+            watchdog.mark(step, "forward_backward")
             if batch.epoch != epoch:
                 epoch = batch.epoch
                 hook.unison_on_train_epoch_start(trainer=self, epoch=epoch)
             output = self._train_step(batch)
             self.progress.global_step = done = step + 1
             self.progress.history.append(output)
+            watchdog.mark(step, "step_end")
             hook.unison_on_train_step_end(trainer=self, step=step, output=output)
             if done % s.log_every_n_steps == 0:
                 self._log_step(output)
             if batch.last_in_epoch:
                 hook.unison_on_train_epoch_end(trainer=self, epoch=epoch)
             if val is not None and s.val_every_n_steps and done % s.val_every_n_steps == 0:
+                watchdog.mark(step, "validation")
                 self.validate()
                 self._last_validated = done
             if self.checkpointer and s.checkpoint_every_n_steps and done % s.checkpoint_every_n_steps == 0:
+                watchdog.mark(step, "checkpoint")
                 self.save_checkpoint()
+            watchdog.mark(step, "stop_agreement")
             if self._agree_to_stop():
                 break
+            watchdog.mark(done, "data")
 
     def _agree_to_stop(self) -> bool:
         """Combine every rank's ``should_stop`` and stop request (signal) at the step boundary.
@@ -889,6 +908,7 @@ class Trainer:
         step = batch.step
         hook.unison_on_train_step_start(trainer=self, step=step)
         losses = self._forward_backward(batch.micro_batches)
+        self._watchdog.mark(step, "optimizer_step")
         hook.unison_on_after_backward(trainer=self, step=step)
 
         # Every micro-batch's loss and the step's tokens, summed over replicas in one collective.
