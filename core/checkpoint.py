@@ -62,6 +62,7 @@ from unison.manifest import (
     CorruptCheckpointError,
     Manifest,
     all_gather,
+    barrier,
     broadcast,
     hash_files,
     rank,
@@ -237,6 +238,11 @@ class Checkpointer:
         """
         run, own_run = self._lease_run or self._lease_identity(ckpt_path)
         outcome: tuple[str, ...] = ("ok",)
+        # Every rank has read the lease in preflight before rank 0 takes it. Without this, a process group
+        # that already existed before fit (the conformance suite's world, a user's own init) lets a slower
+        # rank read the lease rank 0 just took for this very job and refuse alone, leaving the ranks
+        # in different collectives.
+        barrier()
         if rank() == 0:
             try:
                 self.lease.acquire(run, own_run=own_run)

@@ -159,3 +159,37 @@ def test_heartbeat_renews_and_a_lease_taken_over_stops_the_commit(tmp_path, monk
         mine.check()
     mine.release()
     assert json.loads((root / LEASE).read_text())["owner"] == "thief"  # not deleted: it is not ours any more
+
+
+def _fit_with_a_late_rank(checkpoint_dir: str) -> int:
+    """In a world whose process group exists before ``fit``: rank 1 reaches the lease's preflight read late."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        time.sleep(2.0)  # rank 0 is at the lease by then
+    torch.manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    trainer = unison.Trainer(
+        strategy="ddp",
+        global_batch_size=8,
+        max_steps=2,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every_n_steps=2,
+        progress="off",
+    )
+    trainer.fit(
+        torch.nn.Linear(4, 1),
+        data,
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    return trainer.global_step
+
+
+def test_a_rank_late_to_the_lease_does_not_refuse_its_own_job(tmp_path):
+    # The lease taken by rank 0 for this job is not "another job" to a slower rank: every rank finishes
+    # its preflight read before rank 0 takes it, so both ranks train (before, rank 1 alone refused and the
+    # ranks met in different collectives).
+    from unison.launch import spawn
+
+    assert spawn(_fit_with_a_late_rank, 2, str(tmp_path / "ckpt"), timeout=120) == [2, 2]
