@@ -37,6 +37,9 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     config = tmp / "run.toml"
     config.write_text(
         f"""
+[imports]
+paths = ["{EXAMPLE.parent}"]  # the example's factories, outside this config's directory
+
 [trainer]
 strategy = "single"
 global_batch_size = 8
