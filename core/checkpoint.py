@@ -196,12 +196,13 @@ class Checkpointer:
         """
         self.storage.check(self.root)  # object storage: refused credentials, no bucket, no endpoint, named
         run, own_run = self._lease_run = self._lease_identity(ckpt_path)
-        if self.lease.refuse_if_held(run if own_run else None):
-            # Nobody live writes here, so what interrupted saves left is garbage: removed *before* the probe,
-            # or a disk that a crashed save filled would refuse the very resume that cleans it.
-            self._clean_partials()
         probe = self.root / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
+            # (reading the lease makes its guard file: a root that cannot be a directory fails here, as unwritable)
+            if self.lease.refuse_if_held(run if own_run else None):
+                # Nobody live writes here, so what interrupted saves left is garbage: removed *before* the
+                # probe, or a disk that a crashed save filled would refuse the very resume that cleans it.
+                self._clean_partials()
             self.storage.make_dir(self.root)
             try:
                 self.storage.write_text(probe, "probe", sync=False)
