@@ -26,7 +26,12 @@ pytestmark = pytest.mark.distributed
 
 #: case -> (exit code, rank that failed first, text its line must hold, text printed exactly once or None)
 EXPECTED = {
-    "config_rank1": (EXIT_CONFIGURATION, 1, "configuration error", "max_step: Extra inputs are not permitted"),
+    "config_rank1": (
+        EXIT_CONFIGURATION,
+        1,
+        "configuration error",
+        "max_step: unknown option (did you mean 'max_steps'?)",
+    ),
     "raise_rank1": (EXIT_FAILED, 1, "ValueError", "ValueError: loss exploded on rank 1"),
     "callback_rank1": (EXIT_FAILED, 1, "RuntimeError", "RuntimeError: callback bug on rank 1"),
     "sigkill_rank1": (137, 1, "killed by SIGKILL", None),
@@ -82,4 +87,4 @@ def test_first_real_failure_is_reported_once_with_its_exit_code(jobs, case):
 def test_a_configuration_error_on_one_rank_prints_only_the_message(jobs):
     report = jobs["config_rank1"].stderr
     assert "Traceback" not in report, report
-    assert "error: max_step: Extra inputs are not permitted (got 6). Fix: remove or rename it" in report
+    assert "error: max_step: unknown option (did you mean 'max_steps'?). Fix: remove or rename it" in report
