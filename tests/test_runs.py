@@ -116,6 +116,7 @@ def test_a_launcher_refuses_a_foreign_checkpoint_dir_once_before_any_worker(tmp_
     root = Path(__file__).resolve().parents[1]
     text = (root / "examples" / "tinylm.toml").read_text()
     text = text.replace('factory = "tinylm.py', f'factory = "{root}/examples/tinylm.py')
+    text = f'[imports]\npaths = ["{root}/examples"]\n' + text  # a trust root beyond the config's directory
     text = text.replace('root_dir = "runs/tinylm"', f'checkpoint_dir = "{ckpt}"')
     config = tmp_path / "c.toml"
     config.write_text(text.replace('dir = "runs/tinylm"', f'dir = "{tmp_path}/logs"'))
