@@ -22,12 +22,17 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
 class UnisonError(Exception):
     """Base class of every error unison raises on purpose."""
 
+    #: The exit code a worker (and the launcher) ends with after this error.
+    exit_code = EXIT_FAILED
+
 
 class ConfigurationError(UnisonError, ValueError):
     """An option, or a combination of options, that cannot work.
 
     The message always names the option and says how to fix it.
     """
+
+    exit_code = EXIT_CONFIGURATION
 
     def __init__(self, option: str, problem: str, fix: str) -> None:
         self.option, self.problem, self.fix = option, problem, fix

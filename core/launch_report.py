@@ -127,11 +127,15 @@ def summarize_failures(failures: dict[int, Any], failed_before_close: set[int] |
     lines = [f"unison run: rank {ordered[0]} failed first; the job exits with code {code}"]
     if head.get("unison_kind") == "configuration":
         lines.append(f"error: {head['message'].split(': ', 1)[-1]}")
+    elif head.get("unison_kind") == "stall":
+        pass  # the stall's report and every live rank's stacks are printed by the ranks themselves
     elif head.get("py_callstack"):
         lines.append(str(head["py_callstack"]).rstrip())
     for i, rank in enumerate(ordered):
         failure, record = failures[rank], records[rank]
-        if i == 0 and record.get("unison_kind") == "configuration":
+        if record.get("unison_kind") == "stall":
+            what = f"exit code {exit_code(rank)}: {record['message'].strip().splitlines()[0][:300]}"
+        elif i == 0 and record.get("unison_kind") == "configuration":
             what = f"configuration error, message above (exit code {exit_code(rank)})"
         elif i == 0 and record.get("py_callstack"):
             what = f"{record['message'].split(':', 1)[0]}, traceback above (exit code {exit_code(rank)})"

@@ -145,6 +145,8 @@ class RunGuard:
     def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS) -> None:
         self.signals = signals
         self.received: str | None = None
+        #: The number of the stop signal received, 0 for none (or a stop asked for by :meth:`request_stop`).
+        self.signum = 0
         self._previous: dict[signal.Signals, Any] = {}
         self._watchdog: Any = None
 
@@ -164,7 +166,7 @@ class RunGuard:
             else:
                 os.kill(os.getpid(), signum)
             return
-        self.received = sig.name
+        self.received, self.signum = sig.name, int(sig)
 
     def request_stop(self, reason: str = "request") -> None:
         """Ask for a stop at the next step boundary, as a signal would."""
@@ -218,10 +220,11 @@ _recorded: BaseException | None = None
 
 
 def exit_code_for(exc: BaseException) -> int:
-    """The exit code a worker ends with after ``exc``: 2 for a ConfigurationError, else 1 (see :mod:`unison.errors`)."""
-    from unison.errors import EXIT_CONFIGURATION, EXIT_FAILED, ConfigurationError
+    """The exit code a worker ends with after ``exc``: its ``exit_code`` (2 for a ConfigurationError, 3 for a
+    stall), else 1 (see :mod:`unison.errors`)."""
+    from unison.errors import EXIT_FAILED
 
-    return EXIT_CONFIGURATION if isinstance(exc, ConfigurationError) else EXIT_FAILED
+    return int(getattr(exc, "exit_code", EXIT_FAILED))
 
 
 def record_error(exc: BaseException) -> bool:
@@ -232,8 +235,8 @@ def record_error(exc: BaseException) -> bool:
     torchrun's own (``ErrorHandler.record_exception``) plus ``unison_time``, a
     sub-second timestamp (torchrun's whole seconds cannot order a rank's
     error before the "connection closed" it causes on the others),
-    ``unison_exit_code`` and ``unison_kind`` (``"configuration"`` or
-    ``"exception"``). The same exception recorded twice keeps its first time.
+    ``unison_exit_code`` and ``unison_kind`` (``"configuration"``, ``"stall"``
+    or ``"exception"``). The same exception recorded twice keeps its first time.
     """
     global _recorded
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -241,7 +244,7 @@ def record_error(exc: BaseException) -> bool:
         return False
     if exc is _recorded:
         return True
-    from unison.errors import EXIT_CONFIGURATION
+    from unison.errors import EXIT_CONFIGURATION, EXIT_STALLED
 
     now = time.time()
     code = exit_code_for(exc)
@@ -253,7 +256,7 @@ def record_error(exc: BaseException) -> bool:
                 "timestamp": str(int(now)),
                 "unison_time": now,
                 "unison_exit_code": code,
-                "unison_kind": "configuration" if code == EXIT_CONFIGURATION else "exception",
+                "unison_kind": {EXIT_CONFIGURATION: "configuration", EXIT_STALLED: "stall"}.get(code, "exception"),
             },
         }
     }

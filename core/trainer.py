@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import signal
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -892,11 +893,14 @@ class Trainer:
         env, guard = self.env, self._guard
         requested = guard.received if guard is not None else None
         if env is not None and env.distributed and env.world_size > 1:
-            flags = torch.tensor([float(self.should_stop), float(requested is not None)])
+            signum = guard.signum if guard is not None else 0
+            flags = torch.tensor([float(self.should_stop), float(requested is not None), float(signum)])
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self._control_group)
             self.should_stop = bool(flags[0].item())
             if flags[1].item() and requested is None:
-                requested = "a stop request on another rank"
+                # Every rank names the signal, whichever rank it reached first.
+                shared = int(flags[2].item())
+                requested = signal.Signals(shared).name if shared else "a stop request on another rank"
         if requested is not None and guard is not None:
             guard.preempt(self, requested)
         return self.should_stop

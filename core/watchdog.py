@@ -56,6 +56,8 @@ _RUNNING, _DONE = "running", "done"
 class StallError(UnisonError):
     """A rank stopped making progress; every live rank ends with :data:`~unison.errors.EXIT_STALLED`."""
 
+    exit_code = EXIT_STALLED
+
 
 def check_stall_timeout(stall_timeout_s: float | None, collective_timeout_s: float) -> None:
     """Refuse a stall timeout the collective timeout would beat (before any process group)."""
