@@ -86,8 +86,11 @@ from unison.ownership import AccumulationOwner, Feature, GradSync, WorldSizes
 RELATIVE_FLOOR = 1e-3
 
 #: Verdict statuses. ``declared_out``: the strategy refused the scenario and its
-#: declaration says it refuses something the scenario needs.
+#: declaration says it refuses something the scenario needs. ``inconclusive``: every
+#: check held, but the scenario cannot see what it exists to see (its effect is
+#: below 10x its tolerance, :mod:`unison.conformance.sensitivity`): not proven.
 PASS, FAIL, DECLARED_OUT, SKIPPED = "pass", "fail", "declared_out", "skipped"
+INCONCLUSIVE = "inconclusive"
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,8 @@ class Divergence:
     ``skipped``, ``state``, ``buffer``, ``hooks``, ``counts``, ``rank``
     (ranks disagree), ``sync`` (gradient collectives vs the declaration),
     ``boundary``, ``refusal`` (undeclared), ``run`` (an error), ``premise``,
-    ``declaration`` or ``other``.
+    ``declaration``, ``precision`` (a probe saw another dtype than the precision
+    declared) or ``other``.
     """
 
     scenario: str
@@ -204,6 +208,9 @@ class Verdict:
     diagnosis: Any = None
     #: The precision the scenario trains in (its tolerances).
     precision: str | None = None
+    #: A precision scenario's effect (reference vs its fp32 control) over its tolerance
+    #: (:class:`~unison.conformance.sensitivity.Sensitivity`), as a dict.
+    sensitivity: dict[str, Any] | None = None
 
     @property
     def passed(self) -> bool:
@@ -259,6 +266,7 @@ class Verdict:
             "diagnosis": self.diagnosis.to_dict() if self.diagnosis is not None else None,
             "deviation_ratio": self.deviation_ratio,
             "margin": self.margin,
+            "sensitivity": self.sensitivity,
             "summary": self.summary(),
         }
 
@@ -954,6 +962,7 @@ def judge_scenario(
     reference: dict[str, dict[str, dict[str, Any]]],
 ) -> Verdict:
     """The verdict of ``scenario`` for the strategy measured in ``result``."""
+    from unison.conformance import sensitivity
     from unison.conformance.diagnose import diagnose
 
     v = Verdict(scenario.name, result.name, PASS, precision=scenario.precision)
@@ -990,6 +999,10 @@ def judge_scenario(
     if c.divergences:
         return _finish(v, c)
     _check_premises(c, scenario, ref_runs)
+    sens = sensitivity.measure(scenario, ref_runs, c.tol)
+    if sens is not None:
+        c.checks.append(sens.describe())
+        v.sensitivity = sens.to_dict()
 
     strat = result.traces.get(scenario.name, {})
     # Refusals before training: declared out only where the declaration says
@@ -1046,6 +1059,8 @@ def judge_scenario(
             c.fail(label, "run", note=f"{t['status']}: {_error_line(t)}", kind="run")
             continue
         _check_rank_consistency(c, label, t)
+        if run.backend == "strategy":
+            sensitivity.check_probes(c, scenario, label, t)
         data_parallel = t.get("world_size", 1) > 1
         _check_accumulation(c, scenario, label, t, data_parallel)
         if run.twin is not None:
@@ -1101,6 +1116,8 @@ def judge_scenario(
     v = _finish(v, c)
     if v.status == FAIL:
         v.diagnosis = diagnose(scenario, v.divergences, result, reference)
+    elif v.status == PASS and sens is not None and not sens.conclusive:
+        v.status, v.reason = INCONCLUSIVE, sens.inconclusive_reason()
     return v
 
 
@@ -1292,6 +1309,7 @@ def judge(
 __all__ = [
     "DECLARED_OUT",
     "FAIL",
+    "INCONCLUSIVE",
     "PASS",
     "SKIPPED",
     "TOLERANCES",

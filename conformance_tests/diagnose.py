@@ -12,6 +12,10 @@ undeclared_refusal the strategy refused something its declaration supports
 error              a run raised after setup started (or its world died)
 declaration        a precision declaration that the Trainer does not honour
 premise            the reference itself broke the scenario's premise (a suite problem)
+precision_not_     a precision probe saw another dtype than the declared precision:
+applied            Linear outputs inside forward not in bf16/fp16, or the optimizer
+                   updating low-precision weights (no fp32 masters); see
+                   :mod:`unison.conformance.sensitivity`
 resume_state       only runs that resume a checkpoint diverge: the checkpoint does
                    not restore optimizer / scheduler / RNG / model state (refined by
                    the first quantity: lr -> scheduler or optimizer param groups; the
@@ -66,6 +70,7 @@ TITLES = {
     "error": "the run failed",
     "declaration": "a declaration the trainer does not honour",
     "premise": "the scenario's premise failed on the reference",
+    "precision_not_applied": "the declared precision is not applied",
     "resume_state": "state not restored on resume",
     "initial_weights": "replicas did not start from the reference's weights",
     "averaged_twice": "gradients averaged twice",
@@ -242,6 +247,11 @@ def diagnose(
             "the reference run broke the scenario's premise: the scenario proves nothing "
             "until the suite is fixed, whatever the strategy does",
         )
+    if "precision" in by_kind:
+        from unison.conformance.sensitivity import diagnose_precision
+
+        d, why = diagnose_precision(scenario, by_kind["precision"], strat, reference.get(scenario.name, {}))
+        return _make("precision_not_applied", d, why)
 
     if all(d.kind == "validation" for d in divergences):
         d = first

@@ -5,7 +5,10 @@ wrong, each with one defect, and prints ``N of N caught, smallest margin M``:
 a strategy is *caught* when its certificate failed (a scenario failed); its
 margin is the largest, over its failed scenarios, of the deciding check's
 deviation over its tolerance (``inf`` when every failure is categorical: an
-undeclared refusal, an error, a hook sequence or collective count). Exit
+undeclared refusal, an error, a hook sequence or collective count). A broken
+strategy whose scenarios are only *inconclusive* (the effect they exist to see is
+below 10x the tolerance) is not caught: nothing proved it wrong. A control with an
+inconclusive scenario is not certified, so it fails as a control. Exit
 status 1 when any of them was not caught, or when a control (a correct
 strategy among them) was not certified on the scenarios that ran::
 
@@ -18,7 +21,7 @@ import argparse
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,8 @@ class MutationScore:
     caught: dict[str, float]
     missed: list[str]
     controls_failed: list[str]
+    #: Broken strategies not caught whose certificate was withheld only by inconclusive scenarios.
+    inconclusive: list[str] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -46,8 +51,11 @@ class MutationScore:
         if smallest is not None:
             value = "inf (categorical)" if math.isinf(smallest[1]) else f"{smallest[1]:.3g}"
             text += f", smallest margin {value} ({smallest[0]})"
-        if self.missed:
-            text += f"; CERTIFIED although broken: {', '.join(self.missed)}"
+        certified = [n for n in self.missed if n not in self.inconclusive]
+        if certified:
+            text += f"; CERTIFIED although broken: {', '.join(certified)}"
+        if self.inconclusive:
+            text += f"; not caught, only inconclusive: {', '.join(self.inconclusive)}"
         if self.controls_failed:
             text += f"; correct control not certified: {', '.join(self.controls_failed)}"
         return text
@@ -63,10 +71,13 @@ def score(report: dict[str, Any], broken: Sequence[str], controls: Sequence[str]
     verdicts = {s["name"]: s["verdicts"] for s in report["strategies"]}
     caught: dict[str, float] = {}
     missed = []
+    inconclusive = []
     for name in broken:
         cert = certs.get(name)
         if cert is None or not cert["failed"]:
             missed.append(name)
+            if cert is not None and cert.get("inconclusive"):
+                inconclusive.append(name)
             continue
         margins = [
             v["margin"] if v.get("margin") is not None else math.inf
@@ -75,7 +86,7 @@ def score(report: dict[str, Any], broken: Sequence[str], controls: Sequence[str]
         ]
         caught[name] = max(margins)
     controls_failed = [n for n in controls if n not in certs or not certs[n].get("passed", certs[n]["certified"])]
-    return MutationScore(caught, missed, controls_failed)
+    return MutationScore(caught, missed, controls_failed, inconclusive)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,11 +20,15 @@
 A cell is ``pass`` (proven, with the largest parameter deviation), ``FAIL``
 (with the first divergence and the likely broken rule), ``declared out``
 (refused, and the declaration says so: with the reason) or ``skipped``
-(strategy unavailable on this machine, with the reason): never a silent pass.
+(strategy unavailable on this machine, with the reason) or ``inconclusive``
+(every check held, but the scenario's effect is below 10x its tolerance, so it
+proves nothing: :mod:`unison.conformance.sensitivity`): never a silent pass.
 
-A strategy is *certified* when it ran, no scenario failed and at least one
-training scenario was proven; the certificate lists which scenarios were
-proven and which were declared out.
+A strategy is *certified* when it ran, no scenario failed, none was
+inconclusive and at least one training scenario was proven; the certificate
+lists which scenarios were proven, which were declared out and which were
+inconclusive (listed separately: an inconclusive scenario is neither proven nor
+failed, and it withholds the certificate).
 """
 
 from __future__ import annotations
@@ -44,7 +48,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unison.conformance.compare import DECLARED_OUT, FAIL, PASS, SKIPPED, TOLERANCES, Verdict, judge, status_label
+from unison.conformance.compare import (
+    DECLARED_OUT,
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    SKIPPED,
+    TOLERANCES,
+    Verdict,
+    judge,
+    status_label,
+)
 from unison.conformance.runner import REFERENCE, StrategyResult, Suite
 from unison.conformance.scenarios import SCENARIOS, SCENARIOS_BY_NAME, Scenario
 
@@ -118,6 +132,8 @@ class Certificate:
     failed: list[tuple[str, str]]
     skipped: str | None = None
     non_conformant: str | None = None
+    #: ``[(scenario, why)]``: every check held but the effect is below 10x the tolerance (not proven).
+    inconclusive: list[tuple[str, str]] = field(default_factory=list)
     #: Scenarios this run covered, and how many the full catalogue has: a run of
     #: fewer is *partial* and never reads as a certificate.
     scenarios_run: int = 0
@@ -158,6 +174,7 @@ class Certificate:
             "proven": self.proven,
             "declared_out": [{"scenario": s, "reason": r} for s, r in self.declared_out],
             "failed": [{"scenario": s, "why": w} for s, w in self.failed],
+            "inconclusive": [{"scenario": s, "why": w} for s, w in self.inconclusive],
             "skipped": self.skipped,
             "non_conformant": self.non_conformant,
         }
@@ -170,11 +187,16 @@ LEGEND = (
         "partial",
         "only some scenarios ran (--scenario); none of those failed, but a partial run certifies nothing",
     ),
-    ("not certified", "at least one scenario failed, or nothing could be proven"),
+    ("not certified", "at least one scenario failed or was inconclusive, or nothing could be proven"),
     ("pass (proven)", "the strategy trained like the single-process reference, within the tolerance"),
     ("declared out", "the strategy refused the scenario, and its declaration says it does not support what it needs"),
     ("fail", "the strategy differed from the reference, or refused something it declares it supports"),
     ("skipped", "the strategy cannot run on this machine (e.g. its library is not installed)"),
+    (
+        "inconclusive",
+        "every check held, but the effect the scenario exists to see (e.g. bf16 vs fp32) is below 10x its "
+        "tolerance, so passing proves nothing: not proven, and no certificate while it lasts",
+    ),
 )
 
 
@@ -215,6 +237,7 @@ def _certificate(result: StrategyResult, verdicts: dict[str, Verdict], world_siz
         scenarios_run=len(verdicts),
         scenarios_total=len(SCENARIOS),
         world_sizes=_proven_world_sizes(result, verdicts, world_size),
+        inconclusive=[(n, v.reason or "") for n, v in verdicts.items() if v.status == INCONCLUSIVE],
         deviation_ratios={n: r for n, v in verdicts.items() if (r := v.deviation_ratio) is not None},
     )
     if result.status == "skipped":
@@ -224,6 +247,11 @@ def _certificate(result: StrategyResult, verdicts: dict[str, Verdict], world_siz
         cert.summary = f"could not be run: {result.reason}"
     elif failed:
         cert.summary = f"{len(failed)} scenario(s) failed: {', '.join(n for n, _ in failed)}"
+    elif cert.inconclusive:
+        cert.summary = (
+            f"{len(cert.inconclusive)} scenario(s) inconclusive (effect below 10x the tolerance, nothing proven): "
+            f"{', '.join(n for n, _ in cert.inconclusive)}"
+        )
     elif not any(SCENARIOS_BY_NAME[n].kind == "train" for n in proven if n in SCENARIOS_BY_NAME):
         # Declarations alone (checked without training) certify nothing.
         cert.summary = f"no training scenario proven at world size {world_size}: every one ran is declared out"
@@ -327,7 +355,7 @@ class SuiteReport:
         for r in self.results:
             seen = set()
             for v in self.verdicts[r.name].values():
-                if v.status in (DECLARED_OUT, SKIPPED) and v.reason not in seen:
+                if v.status in (DECLARED_OUT, SKIPPED, INCONCLUSIVE) and v.reason not in seen:
                     seen.add(v.reason)
                     scenarios = [n for n, w in self.verdicts[r.name].items() if w.reason == v.reason]
                     notes.append(f"  {r.name} {status_label(v.status)} ({', '.join(scenarios)}): {v.reason}")
@@ -551,6 +579,9 @@ def _cell(v: Verdict) -> str:
     """The short cell text (terminal and HTML matrix); reasons go below the table."""
     if v.status == PASS:
         return "pass" if v.max_param_deviation is None else f"pass {v.max_param_deviation:.1e}"
+    if v.status == INCONCLUSIVE and v.sensitivity:
+        ratio = v.sensitivity.get("ratio")
+        return "inconclusive" + (f" (effect {ratio:.2g}x tol)" if ratio is not None else "")
     if v.status == FAIL:
         d = v.divergences[0] if v.divergences else None
         if d is None:
@@ -568,7 +599,9 @@ def _rich_cell(v: Verdict) -> str:
     from rich.markup import escape
 
     text = escape(_cell(v))
-    style = {PASS: "green", FAIL: "bold red", DECLARED_OUT: "dim", SKIPPED: "yellow"}.get(v.status, "")
+    style = {PASS: "green", FAIL: "bold red", DECLARED_OUT: "dim", SKIPPED: "yellow", INCONCLUSIVE: "bold yellow"}.get(
+        v.status, ""
+    )
     return f"[{style}]{text}[/{style}]" if style else text
 
 

@@ -51,6 +51,10 @@ Every run produces a *trace* (a plain dict, JSON-able but for ``state``):
 ``state``
     ``trainer.full_state_dict()`` after ``fit``, on every rank (so replicas
     that end apart are seen).
+``precision_probe``
+    in a ``*-mixed`` scenario's strategy runs: the dtypes of every ``Linear``
+    output seen inside forward and of the parameters the optimizer updates
+    (:class:`~unison.conformance.sensitivity.PrecisionProbe`).
 ``buffer_snapshots``
     ``{step: canonical buffers}`` taken from ``trainer.full_state_dict()``
     inside ``unison_on_save_checkpoint``, at every checkpoint the run writes.
@@ -101,6 +105,7 @@ from unison.conformance.scenarios import (
     select,
     training_step,
 )
+from unison.conformance.sensitivity import PrecisionProbe, probes_apply
 from unison.conformance.validation import validation_data
 from unison.errors import ConfigurationError, DeclaredRefusal
 from unison.ownership import STANDARD_PRECISIONS, WorldSizes
@@ -400,6 +405,9 @@ def execute_run(
 
         if run.perturb is not None and rank != 0:
             perturb(model, run.perturb, rank)
+        probe = PrecisionProbe() if run.backend == "strategy" and probes_apply(scenario) else None
+        if probe is not None:
+            probe.attach(model)
         data = scenario.dataset(sizing)
         form: dict[str, Any] = {"loss_fn": loss_fn} if scenario.form == "loss_fn" else {"training_step": training_step}
         if scenario.val_every:
@@ -441,6 +449,8 @@ def execute_run(
             buffer_snapshots=recorder.buffer_snapshots,
             validations=recorder.validations,
         )
+        if probe is not None:
+            trace["precision_probe"] = probe.result(optimizers)
     except ConfigurationError as exc:
         if trainer is not None and trainer.setup_started:
             # Bad input is refused before the process group and the strategy's
@@ -637,6 +647,7 @@ def _merge_ranks(results: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[st
         "validations",
         "refusal",
         "error",
+        "precision_probe",
     )
     merged = results[0]
     for scenario, runs in merged.items():

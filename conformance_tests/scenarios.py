@@ -32,6 +32,9 @@ perturb every rank but 0 on purpose):
   changes both the outputs and the final state.
 * ``frozen``: the MLP with its first layer frozen (``requires_grad=False``).
 * ``tied``: an encoder/decoder pair sharing one weight matrix, plus a head.
+* ``offset``: the MLP with its output bias at :data:`OUTPUT_OFFSET`, trained on
+  targets moved there (``data="offset"``): bf16 rounds its predictions to whole
+  numbers, so mixed precision visibly changes training (the precision scenario).
 * ``groups``: the MLP trained with two parameter groups (matrices: one lr and
   weight decay; vectors: half the lr, no weight decay). Groups are formed by
   ``param.ndim`` because the optimizer factory receives the parameters a
@@ -66,6 +69,12 @@ HIDDEN = 16
 #: finite value (65504), so the cast to float16 inside autocast makes it ``inf``
 #: in a real forward, on every backend, whatever the loss scale.
 OVERFLOW_INPUT = 1.0e6
+#: The offset of the ``offset`` data's targets and of the ``offset`` model's output bias. bf16 holds
+#: 8 significant bits, so an output near 128 is rounded to a whole number (its spacing there is 1):
+#: under bf16 every prediction moves by up to 0.5, against residuals of order 1, while fp32 keeps them
+#: to 1e-5. The bf16 effect is therefore far larger than the rounding noise two backends of the same
+#: precision differ by (that noise comes from sums over the batch, the effect from every prediction).
+OUTPUT_OFFSET = 128.0
 
 
 # --------------------------------------------------------------------------- #
@@ -162,6 +171,14 @@ def _frozen_batchnorm() -> torch.nn.Sequential:
     return model
 
 
+def _offset() -> torch.nn.Sequential:
+    """The MLP whose output bias starts at :data:`OUTPUT_OFFSET` (the ``offset`` data's targets sit there)."""
+    model = _mlp()
+    with torch.no_grad():
+        model[4].bias.add_(OUTPUT_OFFSET)
+    return model
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mlp": _mlp,
     "batchnorm": _batchnorm,
@@ -169,6 +186,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "frozen_batchnorm": _frozen_batchnorm,
     "tied": TiedAutoencoder,
     "groups": _mlp,
+    "offset": _offset,
 }
 
 
@@ -368,7 +386,7 @@ class Scenario:
     optimizer: str = "adamw"
     scheduler: str | None = None
     max_steps: int = 6
-    data: Literal["regression", "overflow", "dict"] = "regression"
+    data: Literal["regression", "overflow", "dict", "offset"] = "regression"
     #: The batch form: ``(inputs, targets)`` with ``loss_fn``, or dict batches with ``training_step``.
     form: Literal["loss_fn", "training_step"] = "loss_fn"
     shuffle: bool = True
@@ -424,6 +442,9 @@ class Scenario:
             return overflow_data(n, self.poison_step() * self.global_batch_size(sizing))
         if self.data == "dict":
             return DictRegression(n)
+        if self.data == "offset":
+            x, y = regression_data(n).tensors
+            return TensorDataset(x, y + OUTPUT_OFFSET)
         return regression_data(n)
 
     def trainer_settings(self, sizing: Sizing, run: Run) -> dict[str, Any]:
@@ -490,6 +511,20 @@ def _clip_runs() -> tuple[Run, ...]:
         # The control: without clipping the reference must end elsewhere,
         # or "clipping" clipped nothing (the pre-clip norm alone cannot tell).
         Run("unclipped", "reference", overrides=(("grad_clip_norm", None),)),
+        Run("main", "strategy", twin="main"),
+    )
+
+
+#: The id of a precision scenario's fp32 control run (a reference run of the same scenario in
+#: ``32-true``): how far the reference moves from it is the effect the scenario exists to see
+#: (:mod:`unison.conformance.sensitivity`).
+PRECISION_CONTROL = "fp32"
+
+
+def _precision_runs() -> tuple[Run, ...]:
+    return (
+        Run("main", "reference"),
+        Run(PRECISION_CONTROL, "reference", overrides=(("precision", FP32),)),
         Run("main", "strategy", twin="main"),
     )
 
@@ -592,16 +627,19 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "bf16_mixed",
-        "bf16 autocast (or the engine's bf16), accumulation 2",
+        "bf16 autocast (or the engine's bf16), accumulation 2; targets near 128, where bf16 rounds every "
+        "prediction to a whole number, so training in bf16 ends far (> 10x the tolerance) from its fp32 control run",
         # SGD, not Adam: Adam's first update is lr * sign(g), so a gradient
         # element near zero whose sign bf16 rounding flips (summation order
         # differs with the number of ranks) moves by 2 * lr and the
         # comparison measures the sign of noise, not the backend. SGD's update
         # is proportional to the gradient, so bf16 rounding stays bf16-sized.
-        model="mlp",
+        model="offset",
+        data="offset",
         precision=BF16_MIXED,
         optimizer="sgd",
         accumulate_grad_batches=2,
+        runs=_precision_runs(),
     ),
     Scenario(
         "fp16_overflow",
@@ -615,6 +653,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         data="overflow",
         shuffle=False,
         premises=("overflow",),
+        runs=_precision_runs(),
     ),
     Scenario(
         "resume",
@@ -719,6 +758,8 @@ def select(names: Sequence[str] | None) -> tuple[Scenario, ...]:
 __all__ = [
     "MODELS",
     "OPTIMIZERS",
+    "OUTPUT_OFFSET",
+    "PRECISION_CONTROL",
     "SCENARIOS",
     "SCENARIOS_BY_NAME",
     "SCHEDULERS",
