@@ -383,6 +383,9 @@ def execute_run(
         pm = make_plugin_manager(plugins)
         model = build_model(scenario.model)
         recorder = TraceRecorder(buffer_names=[name for name, _ in model.named_buffers()])
+        probe = PrecisionProbe() if run.backend == "strategy" and probes_apply(scenario) else None
+        if probe is not None:
+            probe.attach(model)
         settings = scenario.trainer_settings(sizing, run)
         if checkpoint_dir is not None:
             settings["checkpoint_dir"] = str(checkpoint_dir)
@@ -396,6 +399,8 @@ def execute_run(
             opt = OPTIMIZERS[scenario.optimizer](params)
             optimizers.append(opt)
             opt.register_step_post_hook(lambda *_: recorder.count_update())
+            if probe is not None:
+                probe.watch(opt)
             return opt
 
         def make_scheduler(opt: torch.optim.Optimizer) -> Any:
@@ -405,9 +410,6 @@ def execute_run(
 
         if run.perturb is not None and rank != 0:
             perturb(model, run.perturb, rank)
-        probe = PrecisionProbe() if run.backend == "strategy" and probes_apply(scenario) else None
-        if probe is not None:
-            probe.attach(model)
         data = scenario.dataset(sizing)
         form: dict[str, Any] = {"loss_fn": loss_fn} if scenario.form == "loss_fn" else {"training_step": training_step}
         if scenario.val_every:
@@ -450,7 +452,7 @@ def execute_run(
             validations=recorder.validations,
         )
         if probe is not None:
-            trace["precision_probe"] = probe.result(optimizers)
+            trace["precision_probe"] = probe.result()
     except ConfigurationError as exc:
         if trainer is not None and trainer.setup_started:
             # Bad input is refused before the process group and the strategy's

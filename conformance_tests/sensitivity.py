@@ -177,14 +177,32 @@ class PrecisionProbe:
 
     :meth:`attach` registers a forward hook on every ``torch.nn.Linear`` of the
     user's module before it is handed to the trainer (wrappers run the same
-    submodules); :meth:`result` adds the dtypes of the parameters held by the
-    optimizers the user's factory built (after ``fit``).
+    submodules); :meth:`watch` registers a step pre-hook on every optimizer the
+    user's factory builds, which records the dtypes of the parameters in its
+    ``param_groups`` when it really steps (an engine may swap its own fp32
+    partitions in; an optimizer built but never stepped counts for nothing).
     """
 
     def __init__(self) -> None:
         self.outputs: Counter[str] = Counter()
         self.weights: Counter[str] = Counter()
+        #: Elements per dtype held by the optimizer at a step (the most seen at any one step).
+        self.stepped: Counter[str] = Counter()
         self._handles: list[Any] = []
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        self._handles.append(optimizer.register_step_pre_hook(self._record_step))
+
+    def _record_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        held: Counter[str] = Counter()
+        seen: set[int] = set()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    held[str(p.dtype)] += p.numel()
+        for dtype, n in held.items():
+            self.stepped[dtype] = max(self.stepped[dtype], n)
 
     def attach(self, model: torch.nn.Module) -> None:
         for module in model.modules():
@@ -198,22 +216,14 @@ class PrecisionProbe:
         if isinstance(weight, torch.Tensor):
             self.weights[str(weight.dtype)] += 1
 
-    def result(self, optimizers: Iterable[torch.optim.Optimizer]) -> dict[str, Any]:
+    def result(self) -> dict[str, Any]:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        held: Counter[str] = Counter()
-        seen: set[int] = set()
-        for opt in optimizers:
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    if id(p) not in seen:  # a parameter counted once, whatever holds it
-                        seen.add(id(p))
-                        held[str(p.dtype)] += p.numel()
         return {
             "linear_outputs": dict(self.outputs),
             "linear_weights": dict(self.weights),
-            "optimizer_params": dict(held),
+            "optimizer_params": dict(self.stepped),
         }
 
 
