@@ -15,7 +15,8 @@ Outcomes: a passing scenario passes; a failing one fails with every divergence
 (scenario, run, quantity, step, expected, got) and the likely broken rule; a
 scenario the strategy refused and declares refused ("declared out"), or a
 strategy unavailable on the machine, is *skipped* with the reason (never
-passed); a strategy whose ownership declares it
+passed); an *inconclusive* scenario (its effect below 10x its tolerance, see
+:mod:`unison.conformance.sensitivity`) fails with the measured effect; a strategy whose ownership declares it
 non-conformant is still run, and its failures are reported as ``xfail`` with
 the divergence as the reason.
 
@@ -105,6 +106,9 @@ class ConformanceSession:
             pytest.skip(f"strategy {strategy!r} skipped: {v.reason}")
         if v.status == "declared_out":
             pytest.skip(f"declared out by {strategy!r}: {v.reason}")
+        if v.status == "inconclusive":
+            # Not proven: the scenario cannot see what it exists to see (never a silent pass).
+            pytest.fail(f"{strategy} / {scenario}: {v.reason}", pytrace=False)
         if v.status == "fail":
             lines = [d.message() for d in v.divergences] or [v.reason or "failed"]
             text = f"{strategy} / {scenario}: {len(lines)} divergence(s)\n  " + "\n  ".join(lines[:30])
