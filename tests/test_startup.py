@@ -44,6 +44,41 @@ def test_describe_imports_strategies_but_no_logger_or_upstream_library():
     assert not {"deepspeed", "transformers", "tensorboard", "mlflow", "wandb", "unison.plugins.loggers"} & modules
 
 
+#: Loaded by saving, loading or sharding, never by naming or describing a strategy (about a second).
+_HEAVY_ON_USE = {
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",  # DTensor
+    "torch.distributed.optim",  # ZeroRedundancyOptimizer and the functional optimizers
+    "fairscale",
+    "deepspeed",
+    "apex",
+}
+
+
+@pytest.mark.parametrize("command", [("describe", "ddp"), ("strategies",)])
+def test_describing_or_listing_strategies_imports_no_checkpoint_dtensor_or_upstream_library(command):
+    modules = _imported_after(_main(*command))
+    # every strategy module was imported (their declarations are listed or resolved) ...
+    assert {"unison.strategies.fsdp", "unison.strategies.apex", "unison.strategies.torch_zero"} <= modules
+    assert "unison.strategies.pipeline.base" in modules and "unison.state" in modules
+    # ... and none of them loaded what only a run needs
+    assert not _HEAVY_ON_USE & modules, sorted(_HEAVY_ON_USE & modules)
+
+
+def test_torch_zero_imports_its_sharding_optimizer_when_constructed_before_any_process_group():
+    # ZeroRedundancyOptimizer binds the world group at its first import: the strategy takes it at
+    # construction, which the trainer does before it starts the process group.
+    modules = _imported_after(
+        "import torch.distributed as dist\n"
+        "from unison.manager import PluginManager\n"
+        "spec, options = PluginManager(lazy=True).strategies.resolve('torch_zero')\n"
+        "assert 'torch.distributed.optim' not in sys.modules\n"
+        "spec.factory(**options.model_dump())\n"
+        "assert not dist.is_initialized()\n"
+    )
+    assert "torch.distributed.optim" in modules and "torch.distributed.checkpoint" not in modules
+
+
 def test_unison_names_still_resolve_lazily():
     import unison
 
