@@ -123,3 +123,19 @@ def test_unison_train_says_what_it_does_first(tmp_path):
     lines = out.stdout.splitlines()
     assert lines and lines[0] == f"unison train {config}: loading torch, checking the config", out.stdout
     assert out.returncode == 2  # and the config's error follows it
+
+
+def test_deepspeed_on_the_cpu_builds_no_shm_comm_op(tmp_path):
+    # deepspeed.comm builds its shared-memory op (inference all-reduce only) when it starts: a minute of
+    # compiling on a cold cache. unison's import marks it incompatible on the CPU, so nothing is built.
+    code = (
+        "import torch\n"
+        "from unison.strategies._upstream.deepspeed import import_deepspeed\n"
+        "import_deepspeed(torch.device('cpu'))\n"
+        "from deepspeed.comm.torch import build_shm_op\n"
+        "assert build_shm_op() is None\n"
+    )
+    env = {**__import__("os").environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").rglob("*.so"))
