@@ -17,17 +17,14 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+
+# torch.distributed.checkpoint (and the DTensor machinery it pulls in, about a second) is imported
+# by the functions that save or load: listing or describing strategies never needs it.
 
 
 def _run_dcp(fn: Any, state: dict[str, Any], directory: Path) -> None:
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         # DCP warns on every single-process call that it assumes no process
         # group; that is exactly the intent for the single strategy.
@@ -52,6 +49,8 @@ def _dcp_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     # tensors for replicated strategies, DTensor shards for FSDP) and DCP
     # de-duplicates and reshards. ``full_state_dict=True`` would hand the state
     # to rank 0 only and leave the other ranks unloaded on resume.
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     return {
         "model": get_model_state_dict(module),
         "optim": get_optimizer_state_dict(module, optimizer),
@@ -60,11 +59,16 @@ def _dcp_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
 
 def dcp_save(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Save model and optimizer with DCP (collective when a process group exists)."""
+    import torch.distributed.checkpoint as dcp
+
     _run_dcp(dcp.save, _dcp_state(module, optimizer), directory)
 
 
 def dcp_load(module: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
     """Load what :func:`dcp_save` wrote, at any world size, into every rank (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
     state = _dcp_state(module, optimizer)
     _run_dcp(dcp.load, state, directory)
     set_model_state_dict(module, state["model"])

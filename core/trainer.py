@@ -47,6 +47,7 @@ from unison.manager import PluginManager
 from unison.ownership import AccumulationOwner, Feature, GradSync, ReplicaInit
 from unison.precision import DelegatedPrecision, Precision
 from unison.settings import TrainerSettings, parse_settings
+from unison.setup_report import SetupReport
 from unison.state import rng_state, seed_everything, set_rng_state
 from unison.strategy import LossFn, Strategy, check_contract
 from unison.watchdog import Watchdog, check_stall_timeout, start_watchdog
@@ -531,6 +532,8 @@ class Trainer:
         self._guard: RunGuard | None = None  # set for the duration of fit
         #: Where this rank is, (step, phase), for the stall watchdog; inert until fit starts one.
         self._watchdog = Watchdog(None, 0, 1)
+        #: ``unison: setting up ...`` lines for fit's slow phases (set per fit: rank 0 only, quiet with progress off).
+        self._say = SetupReport("off", 0)
         #: ``False`` until ``fit`` has finished its checks and starts the process
         #: group and the strategy's setup (refusals only ever happen before).
         self.setup_started = False
@@ -572,6 +575,7 @@ class Trainer:
             rank, world_size = dist.get_rank(), dist.get_world_size()
         elif backend is not None:
             if "MASTER_ADDR" in os.environ:
+                self._say(f"the process group ({backend}, world size {world_size}): waiting for every rank")
                 init_process_group(backend)  # rendezvous fails in minutes, not the 10-minute default
             else:
                 # A distributed strategy on one process without a launcher: a
@@ -658,6 +662,12 @@ class Trainer:
             count_tokens: batch -> tokens, replacing the rule of
                 :func:`unison.batch.count_tokens` for throughput metrics.
 
+        As it starts, and as each setup phase that can take long begins (the
+        process group's rendezvous, the strategy's setup of the model, finding
+        and loading a checkpoint to resume), ``fit`` prints one ``unison:
+        setting up ...`` line (global rank 0, stderr; none with
+        ``progress="off"``).
+
         On SIGTERM or SIGUSR1 every rank finishes the current optimizer step,
         a checkpoint is committed (with ``checkpoint_dir``) and ``fit`` raises
         :class:`unison.lifecycle.Preempted`, a ``SystemExit`` with code 75.
@@ -670,6 +680,8 @@ class Trainer:
         """
         s = self.settings
         rank, world_size, _ = world_from_env()
+        self._say = SetupReport(s.progress, rank)
+        self._say(f"training with strategy {s.strategy!r}, world size {world_size}: checking model, data and options")
         # -- everything below until the process group is checked up front ---- #
         if (loss_fn is None) == (training_step is None):
             raise ConfigurationError(
@@ -815,6 +827,7 @@ class Trainer:
         self.precision = precision = self._build_precision(env.device)
         module = precision.convert_module(model)
         strategy.env = env
+        self._say(f"the model under strategy {s.strategy!r} ({type(model).__name__}, device {env.device})")
         strategy.setup(module, lambda params: _checked_optimizer(optimizer, params), precision=precision, settings=s)
         self.lr_scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler else None
         self.data.to_device = strategy.to_device
@@ -825,6 +838,7 @@ class Trainer:
         hook.unison_on_fit_start(trainer=self)
         if ckpt_path is not None:
             self._watchdog.mark(0, "load_checkpoint")
+            self._say(f"the resume: finding and loading the checkpoint ({ckpt_path})")
             self._load_checkpoint(ckpt_path)
 
         self._fitting = True

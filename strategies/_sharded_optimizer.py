@@ -52,20 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-
-# Imported here, before any process group exists, on purpose: the module binds
-# ``group=dist.group.WORLD`` as a default argument when it is first imported, so
-# an import after init_process_group pins that group for the life of the
-# process and its gloo threads outlive destroy_process_group (see
-# unison.lifecycle.drain_collective_threads for what that costs at exit).
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from unison.errors import ConfigurationError
@@ -167,6 +153,22 @@ class OptimizerRecipe:
 # --------------------------------------------------------------------------- #
 
 
+def _zero_redundancy_optimizer() -> type[torch.optim.Optimizer]:
+    """``torch.distributed.optim.ZeroRedundancyOptimizer``, imported on first use (a quarter second).
+
+    The first import must happen before any process group exists: the module binds
+    ``group=dist.group.WORLD`` as a default argument when it is first imported, so an
+    import after init_process_group pins that group for the life of the process and its
+    gloo threads outlive destroy_process_group (see
+    unison.lifecycle.drain_collective_threads for what that costs at exit).
+    :class:`TorchZeroStrategy` therefore imports it when it is constructed, which the
+    trainer does before it starts the process group.
+    """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer
+
+
 def save_consolidated(
     module: torch.nn.Module,
     recipe: OptimizerRecipe,
@@ -183,6 +185,9 @@ def save_consolidated(
     ``ddp`` writes. The other ranks contribute the (replicated) model only; DCP
     writes each item once.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
     consolidate()
     state: dict[str, Any] = {"model": get_model_state_dict(module), "optim": {}}
     if torch.distributed.get_rank() == 0:
@@ -203,6 +208,14 @@ def load_into_sharded(
     to the sharded optimizer's ``load_state_dict``, which keeps this rank's
     shard only.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
     shadow = recipe.build(optimizer.param_groups)
     # The template names every tensor the checkpoint must provide (the model's
     # and, after torch initialises it, the optimizer's state per parameter).
@@ -238,6 +251,7 @@ class TorchZeroStrategy(ReplicatedStrategy):
 
     def __init__(self) -> None:
         super().__init__()
+        _zero_redundancy_optimizer()  # now, before any process group (see there why)
         self.recipe: OptimizerRecipe | None = None
 
     @property
@@ -272,7 +286,7 @@ class TorchZeroStrategy(ReplicatedStrategy):
 
     def _sharded_optimizer(self, recipe: OptimizerRecipe) -> torch.optim.Optimizer:
         """The sharding optimizer over the recipe's class, defaults and groups."""
-        return ZeroRedundancyOptimizer(
+        return _zero_redundancy_optimizer()(
             [dict(g) for g in recipe.param_groups], optimizer_class=recipe.shard_constructor(), **recipe.defaults
         )
 

@@ -81,13 +81,6 @@ from typing import Any
 
 import pydantic
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from unison.errors import ConfigurationError
 from unison.ownership import (
@@ -495,6 +488,9 @@ class DistributedFusedAdamStrategy(Strategy):
 
     def save_state(self, directory: Path) -> None:
         assert self.module is not None and self.optimizer is not None
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
         # Format 2 (apex's default): the whole state, gathered on every rank, on the CPU.
         full = self.optimizer.state_dict()
         shadow = self._shadow()
@@ -511,6 +507,14 @@ class DistributedFusedAdamStrategy(Strategy):
         dcp.save(state, checkpoint_id=str(directory))
 
     def load_state(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
         assert self.module is not None and self.optimizer is not None
         shadow = self._shadow()
         # The template names every tensor the checkpoint must provide.

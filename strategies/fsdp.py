@@ -57,7 +57,6 @@ from typing import Any
 
 import pydantic
 import torch
-from torch.distributed.tensor import DTensor
 
 from unison.env import resolve_accelerator
 from unison.errors import ConfigurationError
@@ -145,6 +144,10 @@ def shard_units(model: torch.nn.Module, classes: list[str] | None) -> list[tuple
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    # DTensor (and torch.distributed.checkpoint elsewhere) are imported where used: describing or
+    # listing strategies never loads them.
+    from torch.distributed.tensor import DTensor
+
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -397,12 +400,16 @@ class FSDP2Strategy(_ShardedStrategy):
         if max_norm is not None:
             # Takes the parameters (it reads .grad itself), not the gradients.
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        from torch.distributed.tensor import DTensor
+
         return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         assert self.module is not None
         # module.state_dict() keeps the module's own names (tied parameters
         # under each name, as in a plain module); full_tensor() all-gathers.
+        from torch.distributed.tensor import DTensor
+
         state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.module.state_dict().items()}
         return canonical(state)
 

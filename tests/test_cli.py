@@ -48,6 +48,64 @@ def test_train_rejects_unknown_config_key_before_starting(tmp_path):
     assert "torch.distributed" not in out.stderr  # no worker was started
 
 
+def _error_lines(out: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("error:")]
+
+
+def test_a_configuration_error_in_the_launcher_exits_2_with_its_message_once(tmp_path):
+    # --nproc 2: the launcher checks the config before it starts any worker, and refuses here.
+    out = run("train", str(ROOT / "examples" / "tinylm.toml"), "--nproc", "2", "--strategy", "zero9", cwd=tmp_path)
+    assert out.returncode == 2, out.stdout + out.stderr[-3000:]
+    errors = _error_lines(out)
+    assert len(errors) == 1 and "unknown strategy 'zero9'" in errors[0], out.stdout + out.stderr
+    assert "torch.distributed" not in out.stderr  # no worker was started
+    out = run("run", "--cluster", "nosuch", str(tmp_path / "script.py"), cwd=tmp_path)
+    assert out.returncode == 2 and len(_error_lines(out)) == 1, out.stdout + out.stderr
+    assert "--cluster: no cluster environment named 'nosuch'" in " ".join(out.stdout.split())
+
+
+def test_any_other_unison_error_in_the_launcher_process_exits_1(tmp_path):
+    # One process: the run trains in the launcher itself, and its loss is not finite at the first step.
+    (tmp_path / "nan.py").write_text(
+        textwrap.dedent("""
+        import torch
+
+        def build_model():
+            return torch.nn.Linear(4, 1)
+
+        def build_datasets():
+            data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+            return data, None
+
+        def loss_fn(out, target):
+            return torch.nn.functional.mse_loss(out, target) * float("nan")
+    """)
+    )
+    (tmp_path / "nan.toml").write_text(
+        textwrap.dedent("""
+        [trainer]
+        global_batch_size = 8
+        max_steps = 2
+        progress = "off"
+        [model]
+        factory = "nan.py:build_model"
+        [data]
+        factory = "nan.py:build_datasets"
+        [loss]
+        factory = "nan.py:loss_fn"
+        [optimizer]
+        name = "SGD"
+        kwargs = { lr = 0.1 }
+    """)
+    )
+    out = run("train", str(tmp_path / "nan.toml"), cwd=tmp_path)
+    assert out.returncode == 1, out.stdout + out.stderr[-3000:]
+    errors = _error_lines(out)
+    text = " ".join(out.stdout.split())
+    assert len(errors) == 1 and "step 0: the loss was non-finite first at micro-batch 0 on rank 0" in text, out.stdout
+    assert "no optimizer step or checkpoint was taken" in text and "Traceback" not in out.stderr
+
+
 @pytest.mark.distributed
 def test_run_starts_a_torchrun_world_for_a_plain_script(tmp_path):
     script = tmp_path / "train_ddp.py"

@@ -44,6 +44,41 @@ def test_describe_imports_strategies_but_no_logger_or_upstream_library():
     assert not {"deepspeed", "transformers", "tensorboard", "mlflow", "wandb", "unison.plugins.loggers"} & modules
 
 
+#: Loaded by saving, loading or sharding, never by naming or describing a strategy (about a second).
+_HEAVY_ON_USE = {
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",  # DTensor
+    "torch.distributed.optim",  # ZeroRedundancyOptimizer and the functional optimizers
+    "fairscale",
+    "deepspeed",
+    "apex",
+}
+
+
+@pytest.mark.parametrize("command", [("describe", "ddp"), ("strategies",)])
+def test_describing_or_listing_strategies_imports_no_checkpoint_dtensor_or_upstream_library(command):
+    modules = _imported_after(_main(*command))
+    # every strategy module was imported (their declarations are listed or resolved) ...
+    assert {"unison.strategies.fsdp", "unison.strategies.apex", "unison.strategies.torch_zero"} <= modules
+    assert "unison.strategies.pipeline.base" in modules and "unison.state" in modules
+    # ... and none of them loaded what only a run needs
+    assert not _HEAVY_ON_USE & modules, sorted(_HEAVY_ON_USE & modules)
+
+
+def test_torch_zero_imports_its_sharding_optimizer_when_constructed_before_any_process_group():
+    # ZeroRedundancyOptimizer binds the world group at its first import: the strategy takes it at
+    # construction, which the trainer does before it starts the process group.
+    modules = _imported_after(
+        "import torch.distributed as dist\n"
+        "from unison.manager import PluginManager\n"
+        "spec, options = PluginManager(lazy=True).strategies.resolve('torch_zero')\n"
+        "assert 'torch.distributed.optim' not in sys.modules\n"
+        "spec.factory(**options.model_dump())\n"
+        "assert not dist.is_initialized()\n"
+    )
+    assert "torch.distributed.optim" in modules and "torch.distributed.checkpoint" not in modules
+
+
 def test_unison_names_still_resolve_lazily():
     import unison
 
@@ -88,3 +123,19 @@ def test_unison_train_says_what_it_does_first(tmp_path):
     lines = out.stdout.splitlines()
     assert lines and lines[0] == f"unison train {config}: loading torch, checking the config", out.stdout
     assert out.returncode == 2  # and the config's error follows it
+
+
+def test_deepspeed_on_the_cpu_builds_no_shm_comm_op(tmp_path):
+    # deepspeed.comm builds its shared-memory op (inference all-reduce only) when it starts: a minute of
+    # compiling on a cold cache. unison's import marks it incompatible on the CPU, so nothing is built.
+    code = (
+        "import torch\n"
+        "from unison.strategies._upstream.deepspeed import import_deepspeed\n"
+        "import_deepspeed(torch.device('cpu'))\n"
+        "from deepspeed.comm.torch import build_shm_op\n"
+        "assert build_shm_op() is None\n"
+    )
+    env = {**__import__("os").environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").rglob("*.so"))

@@ -54,7 +54,26 @@ def import_deepspeed(device: torch.device | None = None) -> Any:
             f"DeepSpeed's accelerator is {get_accelerator().device_name()!r} but unison trains on {device.type!r}; "
             f"set DS_ACCELERATOR={device.type} before deepspeed is first imported"
         )
+    if device is not None and device.type == "cpu":
+        _skip_shm_comm_op(deepspeed)
     return deepspeed
+
+
+def _skip_shm_comm_op(deepspeed: Any) -> None:
+    """Keep DeepSpeed's CPU backend from compiling its shared-memory comm op on a training run.
+
+    ``deepspeed.comm`` builds ``deepspeed_shm_comm`` (a C++ extension: minutes of
+    compiling the first time, silently) whenever it starts on the CPU accelerator,
+    if the op's builder reports itself compatible. The op serves only
+    ``inference_all_reduce`` (tensor-parallel inference); every collective of
+    training (ZeRO's reduce-scatters, all-gathers and all-reduces, the pipeline's
+    sends) goes through ``torch.distributed`` either way, so marking it
+    incompatible changes no result. ``deepspeed.ops.__compatible_ops__`` is the
+    table ``build_shm_op`` consults (one dict per process, probed once).
+    """
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
 
 
 # --------------------------------------------------------------------------- #

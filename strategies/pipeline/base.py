@@ -30,12 +30,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
 
 from unison.env import DistEnv
 from unison.ownership import Feature, StateDictDeclaration, StateDictKind, WorldSizes
@@ -239,9 +233,13 @@ class StagedStrategy(Strategy):
 
     def _optim_state(self) -> dict[str, Any]:
         # Keyed by the stage's parameter names, which are the model's names.
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
         return get_optimizer_state_dict(self.module, self.optimizer, options=StateDictOptions())
 
     def save_state(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp  # imported on use: describing a strategy never loads it
+
         assert self.module is not None and self.optimizer is not None
         optim = self._optim_state()
         # ddp/single list every parameter of the model in each param group; so
@@ -261,6 +259,9 @@ class StagedStrategy(Strategy):
             group["params"] = sorted((n for part in parts for n in part[i]), key=self._param_order.__getitem__)
 
     def load_state(self, directory: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         assert self.module is not None and self.optimizer is not None
         optim = self._optim_state()  # builds the optimizer state to load into
         names = [list(g["params"]) for g in optim["param_groups"]]
