@@ -226,6 +226,10 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     # Per-parameter state other than Adam's (a running average of squared gradients and a momentum
     # buffer), created lazily at the first step like Adam's.
     "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-2, momentum=0.5),
+    # Per-parameter state created eagerly, in the constructor (a sum of squared gradients started at
+    # initial_accumulator_value, and a step count that lr_decay reads), where the others create theirs
+    # at the first step.
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=5e-2, lr_decay=0.05, initial_accumulator_value=0.1),
 }
 
 #: The class each optimizer factory returns (named in what a run needs).
@@ -234,6 +238,7 @@ _OPTIMIZER_CLASSES = {
     "adamw": "torch.optim.AdamW",
     "adamw_groups": "torch.optim.AdamW",
     "rmsprop": "torch.optim.RMSprop",
+    "adagrad": "torch.optim.Adagrad",
 }
 
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
@@ -693,6 +698,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         "built (before any process group); every precision declared supported is accepted",
         kind="declarations",
         runs=(),
+    ),
+    Scenario(
+        "resume_adagrad",
+        "save at step 3, resume to step 6 with Adagrad (state created in its constructor: a sum of squared "
+        "gradients from initial_accumulator_value, a step count read by lr_decay), warmup",
+        model="mlp",
+        optimizer="adagrad",
+        scheduler="warmup",
+        accumulate_grad_batches=2,
+        runs=_resume_runs(),
     ),
 )
 
