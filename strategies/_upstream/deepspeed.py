@@ -267,8 +267,10 @@ def keep_client_optimizer(zero_optimizer: Any, client: torch.optim.Optimizer, st
         # _create_optimizer_mapping, _param_slice_mappings: what its constructor runs after
         # initialize_optimizer_states, once per group of ``optimizer.param_groups``.
         zero_optimizer._link_all_hp_params()
+        # PRIVATE (as above): the parameter -> fp32 fragment addresses, per group.
         zero_optimizer._param_slice_mappings = zero_optimizer._create_param_mapping()
         if zero_optimizer.cpu_offload:
+            # PRIVATE (as above): each offloaded parameter's link back to the ZeRO optimizer.
             zero_optimizer._create_optimizer_mapping()
     return True
 
