@@ -244,6 +244,12 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     # Per-parameter state other than Adam's (a running average of squared gradients and a momentum
     # buffer), created lazily at the first step like Adam's.
     "rmsprop": lambda params: torch.optim.RMSprop(params, lr=1e-2, momentum=0.5),
+    # Per-parameter state created eagerly, in the constructor (a sum of squared gradients started at
+    # initial_accumulator_value, and a step count that lr_decay reads), where the others create theirs
+    # at the first step; in two parameter groups (per-group lr and weight decay, as adamw_groups).
+    "adagrad_groups": lambda params: torch.optim.Adagrad(
+        _split_groups(params), lr_decay=0.05, initial_accumulator_value=0.1
+    ),
 }
 
 #: The class each optimizer factory returns (named in what a run needs).
@@ -252,6 +258,7 @@ _OPTIMIZER_CLASSES = {
     "adamw": "torch.optim.AdamW",
     "adamw_groups": "torch.optim.AdamW",
     "rmsprop": "torch.optim.RMSprop",
+    "adagrad_groups": "torch.optim.Adagrad",
 }
 
 SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any]] = {
@@ -332,6 +339,27 @@ def overflow_data(n: int, poison_index: int, seed: int = 123) -> TensorDataset:
     return TensorDataset(x, y * 0.05)
 
 
+#: Optimizer steps forced to overflow at the start of the ``backoff`` data: each halves GradScaler's
+#: scale, from its initial 2**16 to 2**12.
+BACKOFF_STEPS = 4
+#: How much the ``backoff`` data scales the regression targets. Measured (torch 2.13 CPU, mlp, SGD, world 2,
+#: accumulation 2): the ordinary steps after the back-off stay finite up to a scale of 2**14 per rank of 2
+#: (2**14 per rank of 4 too, 2**15 in one process) and overflow at 2**16 on the ranks: at the backed-off
+#: 2**12 they train with a 4x margin, and a scaler restarted at 2**16 overflows again.
+BACKOFF_TARGET_SCALE = 2.0
+
+
+def backoff_data(n: int, global_batch_size: int, seed: int = 123) -> TensorDataset:
+    """Regression data (targets times :data:`BACKOFF_TARGET_SCALE`) whose first :data:`BACKOFF_STEPS`
+    optimizer steps each hold one sample beyond fp16's range (shuffle off): the loss scale backs off
+    4 times, and the later, ordinary gradients are large enough that the scale matters."""
+    x, y = regression_data(n, seed).tensors
+    x = x.clone()
+    for step in range(BACKOFF_STEPS):
+        x[step * global_batch_size] = OVERFLOW_INPUT
+    return TensorDataset(x, y * BACKOFF_TARGET_SCALE)
+
+
 # --------------------------------------------------------------------------- #
 # Scenarios
 # --------------------------------------------------------------------------- #
@@ -386,7 +414,7 @@ class Scenario:
     optimizer: str = "adamw"
     scheduler: str | None = None
     max_steps: int = 6
-    data: Literal["regression", "overflow", "dict", "offset"] = "regression"
+    data: Literal["regression", "overflow", "dict", "offset", "backoff"] = "regression"
     #: The batch form: ``(inputs, targets)`` with ``loss_fn``, or dict batches with ``training_step``.
     form: Literal["loss_fn", "training_step"] = "loss_fn"
     shuffle: bool = True
@@ -445,6 +473,8 @@ class Scenario:
         if self.data == "offset":
             x, y = regression_data(n).tensors
             return TensorDataset(x, y + OUTPUT_OFFSET)
+        if self.data == "backoff":
+            return backoff_data(n, self.global_batch_size(sizing))
         return regression_data(n)
 
     def trainer_settings(self, sizing: Sizing, run: Run) -> dict[str, Any]:
@@ -493,14 +523,14 @@ def needs(scenario: Scenario, run: Run) -> dict[str, str]:
 RESUME_AT = 3
 
 
-def _resume_runs() -> tuple[Run, ...]:
-    """Uninterrupted, interrupted at step 3 and resumed, for both backends."""
+def _resume_runs(at: int = RESUME_AT) -> tuple[Run, ...]:
+    """Uninterrupted, interrupted at step ``at`` and resumed, for both backends."""
     return (
         Run("full", "reference"),
-        Run("part", "reference", max_steps=RESUME_AT, save=True),
+        Run("part", "reference", max_steps=at, save=True),
         Run("resumed", "reference", resume_from="part", truth="full"),
         Run("full", "strategy", twin="full"),
-        Run("part", "strategy", max_steps=RESUME_AT, save=True, twin="part"),
+        Run("part", "strategy", max_steps=at, save=True, twin="part"),
         Run("resumed", "strategy", resume_from="part", truth="full", twin="resumed", same_as=("full",)),
     )
 
@@ -732,6 +762,31 @@ SCENARIOS: tuple[Scenario, ...] = (
         "built (before any process group); every precision declared supported is accepted",
         kind="declarations",
         runs=(),
+    ),
+    Scenario(
+        "resume_adagrad",
+        "save at step 3, resume to step 6 with Adagrad in two parameter groups (state created in its "
+        "constructor: a sum of squared gradients from initial_accumulator_value, a step count read by lr_decay), "
+        "warmup",
+        model="groups",
+        optimizer="adagrad_groups",
+        scheduler="warmup",
+        accumulate_grad_batches=2,
+        runs=_resume_runs(),
+    ),
+    Scenario(
+        "resume_fp16",
+        f"fp16 with loss scaling: {BACKOFF_STEPS} forced overflows back the scale off from 2**16 to "
+        f"2**{16 - BACKOFF_STEPS}, one step trains, save, resume to step 8; ordinary gradients here overflow at "
+        "2**16, so a resume that loses the scaler's state skips steps the uninterrupted run takes",
+        model="mlp",
+        precision=FP16_MIXED,
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        data="backoff",
+        shuffle=False,
+        max_steps=BACKOFF_STEPS + 4,
+        runs=_resume_runs(at=BACKOFF_STEPS + 1),
     ),
 )
 

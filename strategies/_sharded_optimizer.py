@@ -14,7 +14,8 @@ Decisions, and why:
   instead want an optimizer *class* plus keyword defaults, and build the
   per-shard ("local") optimizer themselves. We call the user's factory once on
   all parameters (torch optimizers allocate state lazily, so this costs
-  nothing), read its class, ``defaults`` and ``param_groups`` (per-group
+  nothing; Adagrad, which makes its state in its constructor, is accepted when
+  that state is exactly what a fresh instance makes), read its class, ``defaults`` and ``param_groups`` (per-group
   options included), and give the sharding optimizer the same class, defaults
   and groups. Its local optimizer is then the user's *own instance*, re-pointed
   at this rank's share of each group (:meth:`OptimizerRecipe.shard_constructor`):
@@ -97,19 +98,21 @@ class OptimizerRecipe:
                 f"the factory returned {type(probe).__name__}, not a torch.optim.Optimizer",
                 "pass optimizer=lambda params: torch.optim.AdamW(params, ...)",
             )
-        if probe.state:
-            # Re-pointing it at a shard would keep state for parameters it no longer owns.
-            raise ConfigurationError(
-                "optimizer",
-                f"strategy {strategy!r} shards the optimizer, but the factory's optimizer already holds state",
-                "return a freshly constructed optimizer from the factory",
-            )
         signature = inspect.signature(type(probe).__init__)
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
         defaults = {k: v for k, v in probe.defaults.items() if takes_any or k in signature.parameters}
         groups = [dict(g, params=list(g["params"])) for g in probe.param_groups]
         recipe = cls(type(probe), defaults, groups, probe)
         rebuilt = recipe.build()
+        # State the constructor made (Adagrad's sum and step) is what a fresh instance over the shard
+        # makes too, and shard_constructor drops it for parameters the shard does not own; any other
+        # state would be carried into a shard that cannot own it.
+        if probe.state and not _same_state(probe.state, rebuilt.state):
+            raise ConfigurationError(
+                "optimizer",
+                f"strategy {strategy!r} shards the optimizer, but the factory's optimizer already holds state",
+                "return a freshly constructed optimizer from the factory",
+            )
         if rebuilt.defaults != probe.defaults:
             raise ConfigurationError(
                 "optimizer",
@@ -143,9 +146,30 @@ class OptimizerRecipe:
             optimizer.param_groups = []
             for group in param_groups:
                 optimizer.add_param_group(group)
+            # Constructor-made state (see from_factory) of parameters another rank owns.
+            owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            for param in [p for p in optimizer.state if id(p) not in owned]:
+                del optimizer.state[param]
             return optimizer
 
         return construct
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Whether two optimizers' ``state`` mappings hold equal values for the same parameters."""
+    if {id(p) for p in a} != {id(p) for p in b}:
+        return False
+    other = {id(p): s for p, s in b.items()}
+    for param, state in a.items():
+        theirs = other[id(param)]
+        if state.keys() != theirs.keys():
+            return False
+        for key, value in state.items():
+            if torch.is_tensor(value) != torch.is_tensor(theirs[key]):
+                return False
+            if not (torch.equal(value, theirs[key]) if torch.is_tensor(value) else value == theirs[key]):
+                return False
+    return True
 
 
 # --------------------------------------------------------------------------- #

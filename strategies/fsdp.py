@@ -504,6 +504,13 @@ class FSDP1Strategy(_ShardedStrategy):
         wrapped = {id(p) for p in self.model.parameters()}
         if any(id(p) not in wrapped for group in self.optimizer.param_groups for p in group["params"]):
             raise RuntimeError("FullyShardedDataParallel replaced parameters the optimizer holds; cannot continue")
+        # Adagrad makes its state in its constructor, shaped like the whole parameters; FSDP has since
+        # replaced each parameter's data with this rank's 1-D shard. That state is dropped, all of it
+        # on every rank (a tiny parameter's shard can keep its shape on one rank only, and ranks whose
+        # optimizers differ in having state diverge in the checkpoint's collectives): the optimizer
+        # makes it again at its first step, over the shard (torch's Adagrad from its defaults, as its
+        # constructor did). A factory's optimizer has no other state.
+        self.optimizer.state.clear()
 
     def validate(self, settings: Any, world_size: int) -> None:
         if self.options.cpu_offload and resolve_accelerator(settings.accelerator) == "cpu":

@@ -9,6 +9,9 @@ ZeRO-1/2 (``deepspeed.runtime.zero.stage_1_and_2``)
     :func:`fp32_partitions`, :func:`is_linked`, :func:`fragment`, :func:`fragment_group`:
     the fp32 master partitions and each parameter's ``_hp_mapping`` fragment link;
     :func:`local_grad_piece`: this rank's piece of a reduced gradient (one scalar all-reduce per norm).
+ZeRO optimizers, any stage
+    :func:`keep_client_optimizer`: undo ZeRO's swap of a client ``torch.optim.Adagrad`` for a copy
+    of its own.
 ZeRO-3 (``deepspeed.runtime.zero.stage3`` / ``partition_parameters``)
     :func:`fp32_partitions`, :func:`is_partitioned`, :func:`local_partition`,
     :func:`partition_group`, :func:`kept_whole`: the attributes ZeRO-3 puts on parameters.
@@ -248,6 +251,49 @@ def local_grad_piece(param: torch.nn.Parameter) -> tuple[torch.Tensor | None, An
     return piece, group
 
 
+def keep_client_optimizer(zero_optimizer: Any, client: torch.optim.Optimizer, stage: int) -> bool:
+    """Make ZeRO step the client optimizer again where it swapped in its own; return whether it had.
+
+    ZeRO-1/2 and ZeRO-3 (``initialize_optimizer_states`` in ``stage_1_and_2.py`` and
+    ``stage3.py``, deepspeed 0.19.8) replace a client ``torch.optim.Adagrad`` (or any subclass)
+    with ``torch.optim.Adagrad(flat_partitions, **client.defaults)``, because Adagrad creates its
+    state in its constructor and the partitions did not exist then. The copy has one parameter
+    group with the constructor's defaults, so the client's parameter groups (their lr, weight
+    decay), an LR scheduler built on the client, and a subclass's own step are silently ignored,
+    and the client's state stays keyed by the module's parameters, which ZeRO does not step
+    (measured: the loss leaves single's after the first step, on every stage).
+
+    The client's parameter groups already hold the flat partitions (ZeRO put them there, as for
+    every client optimizer), so the client takes the copy's place, with the state the copy's
+    constructor created for each partition: what the client's constructor creates for a
+    parameter (``sum`` filled with ``initial_accumulator_value``, ``step`` 0). The client's state
+    for the module's parameters is dropped: nothing steps those tensors. ZeRO-1/2 linked each
+    parameter to its fp32 partition right after the swap, over the copy's one group only (measured:
+    ``AttributeError: '_hp_mapping'`` at the first step with two groups); the links are made again
+    over the client's groups.
+    """
+    # PRIVATE DeepSpeedZeroOptimizer.optimizer / DeepSpeedZeroOptimizer_Stage3.optimizer: the
+    # optimizer ZeRO steps over its flat fp32 partitions; no public API exposes or sets it.
+    swapped = getattr(zero_optimizer, "optimizer", client)
+    if swapped is client:
+        return False
+    state = {flat: swapped.state[flat] for flat in fp32_partitions(zero_optimizer, stage) if flat in swapped.state}
+    client.state.clear()
+    client.state.update(state)
+    zero_optimizer.optimizer = client
+    if stage in (1, 2):
+        # PRIVATE DeepSpeedZeroOptimizer._link_all_hp_params, _create_param_mapping,
+        # _create_optimizer_mapping, _param_slice_mappings: what its constructor runs after
+        # initialize_optimizer_states, once per group of ``optimizer.param_groups``.
+        zero_optimizer._link_all_hp_params()
+        # PRIVATE (as above): the parameter -> fp32 fragment addresses, per group.
+        zero_optimizer._param_slice_mappings = zero_optimizer._create_param_mapping()
+        if zero_optimizer.cpu_offload:
+            # PRIVATE (as above): each offloaded parameter's link back to the ZeRO optimizer.
+            zero_optimizer._create_optimizer_mapping()
+    return True
+
+
 def forget_process_groups() -> None:
     """Drop DeepSpeed's cached process groups (as ``deepspeed.comm.destroy_process_group`` does).
 
@@ -275,6 +321,7 @@ __all__ = [
     "import_deepspeed",
     "is_linked",
     "is_partitioned",
+    "keep_client_optimizer",
     "kept_whole",
     "local_grad_piece",
     "local_partition",

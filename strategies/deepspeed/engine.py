@@ -158,6 +158,9 @@ class DeepSpeedStrategy(Strategy):
                 "DeepSpeed calls the client optimizer's step() once per parameter group (ZeRO-3: per sub-group) "
                 "in each optimizer step, with param_groups narrowed to that group, so step hooks registered on "
                 "that optimizer fire that many times; together they make exactly one update of every group",
+                "a client torch.optim.Adagrad: DeepSpeed 0.19.8 swaps it for a copy with one parameter group and "
+                "the constructor's defaults (ignoring the client's groups and any LR scheduler); unison puts the "
+                "client back over ZeRO's partitions, with the state Adagrad creates in its constructor",
                 "memory (measured, 2.1M parameters, world 2, bytes of parameters + gradients + optimizer state per "
                 "rank / ddp's): fp32 zero1 0.875, zero2 0.750, zero3 0.625; bf16-mixed 0.625, 0.5625, 0.500. "
                 "DeepSpeed keeps a separate fp32 master partition even when the parameters are fp32 (upstream "
@@ -210,6 +213,9 @@ class DeepSpeedStrategy(Strategy):
         skeleton = meta_skeleton(module)
         self._deepspeed_version = deepspeed.__version__
         self.engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=self.ds_config)
+        # ZeRO swaps a torch.optim.Adagrad client for a copy that ignores its parameter groups and
+        # any scheduler built on it; the client is put back (see the adapter for why).
+        ds.keep_client_optimizer(self.engine.optimizer, optimizer, self.stage)
         self.canonical = ZeroCanonicalState(self.stage, self.engine, module, optimizer, skeleton, group_names)
         if exact:
             self.canonical.restore_fp32_masters(exact)
