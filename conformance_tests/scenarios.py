@@ -223,8 +223,9 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01),
     # Weight decay large enough that decaying a frozen parameter (one the strategy handed to the
-    # optimizer with a zero gradient) moves it by far more than the parameter tolerance per step.
-    "adamw_decay": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    # optimizer with a zero gradient) shrinks it by lr * weight_decay = 4% per step: the next loss
+    # moves ~100x its tolerance (0.1 moved it 3x).
+    "adamw_decay": lambda params: torch.optim.AdamW(params, lr=2e-2, weight_decay=2.0),
     "adamw_groups": lambda params: torch.optim.AdamW(_split_groups(params)),
     # Per-parameter state other than Adam's (a running average of squared gradients and a momentum
     # buffer), created lazily at the first step like Adam's.
@@ -576,7 +577,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "frozen",
-        "first layer frozen, clipping on, accumulation 2, weight decay 0.1 (a frozen parameter decayed moves)",
+        "first layer frozen, clipping on, accumulation 2, weight decay 2.0 (a frozen parameter decayed moves)",
         model="frozen",
         optimizer="adamw_decay",
         accumulate_grad_batches=2,
