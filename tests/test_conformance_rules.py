@@ -106,3 +106,20 @@ def test_mutation_score_every_rule_caught_by_a_wide_margin(report):
     assert result.ok and len(result.caught) == len(EXPECTED), line
     _, margin = result.smallest_margin
     assert margin >= 10, line
+
+
+def test_a_clipping_reference_that_never_stays_under_the_clip_value_breaks_the_premise(report):
+    """The clipping scenario proves nothing about the cap at 1 unless some steps stay under the clip value."""
+    import copy
+
+    from unison.conformance.compare import judge_scenario
+    from unison.conformance.scenarios import SCENARIOS_BY_NAME
+
+    scenario = SCENARIOS_BY_NAME["clipping"]
+    result = next(r for r in report.results if r.name == CONTROL)
+    reference = copy.deepcopy(report.reference)
+    for s in reference["clipping"]["main"]["steps"]:
+        s["grad_norm"] = max(s["grad_norm"], 1.5 * scenario.grad_clip_norm)
+    v = judge_scenario(scenario, result, reference)
+    assert v.status == FAIL and v.diagnosis.rule == "premise", v.summary()
+    assert any(d.quantity == "premise: clipping straddles the clip value" for d in v.divergences)
