@@ -589,10 +589,11 @@ def _buffer_names(scenario: Scenario) -> list[str]:
 def _check_premises(c: _Checker, scenario: Scenario, ref_runs: dict[str, dict[str, Any]]) -> None:
     ref_first = ref_runs[scenario.runs[0].id]
     steps = ref_first.get("steps", [])
+    clip = scenario.grad_clip_norm or 0.0
     if "clips" in scenario.premises:
         c.checks.append(f"premise: the reference's pre-clip norm exceeds {scenario.grad_clip_norm} at every step")
         for s in steps:
-            if not s["grad_norm"] > (scenario.grad_clip_norm or 0.0):
+            if not s["grad_norm"] > clip:
                 c.fail(
                     "reference",
                     "premise: clipping clips",
@@ -600,6 +601,21 @@ def _check_premises(c: _Checker, scenario: Scenario, ref_runs: dict[str, dict[st
                     kind="premise",
                     note=f"reference grad norm {s['grad_norm']:.4g} <= clip {scenario.grad_clip_norm}",
                 )
+    if "straddles_clip" in scenario.premises:
+        c.checks.append(
+            f"premise: the reference's pre-clip norm exceeds {scenario.grad_clip_norm} at 3 steps or more and "
+            "stays below it at 3 or more"
+        )
+        above = [s["step"] for s in steps if s["grad_norm"] > clip]
+        below = [s["step"] for s in steps if s["grad_norm"] < clip]
+        if len(above) < 3 or len(below) < 3:
+            c.fail(
+                "reference",
+                "premise: clipping straddles the clip value",
+                kind="premise",
+                note=f"reference steps above clip {clip}: {above}, below: {below} (3 of each needed)",
+            )
+    if "clips" in scenario.premises or "straddles_clip" in scenario.premises:
         control = ref_runs.get("unclipped")
         if control is not None and control.get("state") is not None and ref_first.get("state") is not None:
             c.checks.append(

@@ -16,6 +16,13 @@ precision_not_     a precision probe saw another dtype than the declared precisi
 applied            Linear outputs inside forward not in bf16/fp16, or the optimizer
                    updating low-precision weights (no fp32 masters); see
                    :mod:`unison.conformance.sensitivity`
+hard_coded_divisor one fixed divisor explains the grad-norm ratios at two world sizes
+                   (main and reshard): gradients divided by D, not the world size
+partial_optimizer_state
+                   only resumed runs diverge, first in the lr of some parameter groups
+                   while the others match
+buffers_on_resume  only resumed runs diverge and a buffer counter ends behind by what
+                   it had counted at the checkpoint: buffers not saved or not loaded
 resume_state       only runs that resume a checkpoint diverge: the checkpoint does
                    not restore optimizer / scheduler / RNG / model state (refined by
                    the first quantity: lr -> scheduler or optimizer param groups; the
@@ -35,9 +42,15 @@ averaged_twice     the first grad-norm divergence has ratio 1 / world size (stra
 summed             ratio = world size: gradients summed over replicas, not averaged
 accumulation_scale ratio 1 / accumulate_grad_batches or accumulate_grad_batches: the loss
                    divided twice, or not divided, for accumulation
+tied_weight_twice  tied weights and the first grad norm 1 to sqrt 2 times the reference's
+                   with the loss equal: the tied weight's gradient counted once per name
 replica_desync     ranks disagree with each other (per-step numbers, final state,
                    checkpoint buffers) while rank 0 matches the reference up to then
 gradient_sync      gradient collectives contradict the declared GradSync or engine boundary
+uncapped_clip      in a scenario straddling the clip value, the first update that differs
+                   followed a step whose pre-clip norm was below the clip value
+per_bucket_clip    the same, after a clipped step with the global norm equal: the
+                   gradients were not scaled by clip / global norm
 optimizer          loss and grad norm equal up to step k-1 but the loss differs at step
                    k, or every per-step number matches and only the final parameters
                    differ: the optimizer update (rule, state, hyperparameters, groups)
@@ -47,6 +60,10 @@ scheduler          the learning rate is the first quantity to differ
 hooks / counts     the hook sequence or the optimizer/scheduler step counts differ
 unclassified       none of the above
 ================== ===================================================================
+
+The rules that look past one number (hard_coded_divisor, tied_weight_twice,
+uncapped_clip, per_bucket_clip, buffers_on_resume, partial_optimizer_state)
+live in :mod:`unison.conformance.diagnose_rules`.
 
 Each rule is tested with a deliberately broken trace or strategy (see
 ``tests/test_conformance*.py``).
@@ -59,6 +76,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from unison.conformance import diagnose_rules
 from unison.conformance.scenarios import Run, Scenario
 
 #: Relative agreement for a grad-norm ratio to match a pattern (well above
@@ -85,6 +103,7 @@ TITLES = {
     "hooks": "hook sequence differs",
     "counts": "step counts differ",
     "unclassified": "unclassified divergence",
+    **diagnose_rules.TITLES,
 }
 
 
@@ -264,6 +283,9 @@ def diagnose(
         )
 
     numeric = [d for d in divergences if d.kind in ("loss", "grad_norm", "lr", "state", "buffer", "skipped")]
+    divisor = diagnose_rules.hard_coded_divisor(scenario, divergences, trace_of)
+    if divisor is not None:
+        return _make(divisor[0], divisor[1], divisor[2])
     # -- only resumed runs diverge --------------------------------------------------------------- #
     failing_runs = {d.run for d in divergences if d.kind not in ("rank",)}
     runs = [_run_of(scenario, label) for label in failing_runs]
@@ -272,6 +294,9 @@ def diagnose(
         d = min((x for x in divergences if x.run in failing_runs), key=lambda x: math.inf if x.step is None else x.step)
         run = _run_of(scenario, d.run)
         start = _first_step(scenario, run, trace_of(d.run))
+        refined = diagnose_rules.resume_rule(scenario, d, start, divergences, trace_of)
+        if refined is not None and run is not None and run.backend == "strategy":
+            return _make(refined[0], d, refined[1])
         if run is not None and run.backend == "reference":
             why = (
                 "single resuming the strategy's checkpoint diverges while the strategy's own runs match: the "
@@ -351,6 +376,10 @@ def diagnose(
             ratio = d.got / d.expected
             world = (trace_of(d.run) or {}).get("world_size", getattr(result, "world_size", 1)) or 1
             match = _ratio_rule(ratio, world, scenario.accumulate_grad_batches)
+            loss_equal = not any(x.run == d.run and x.step == d.step for x in losses)
+            tied = diagnose_rules.tied_weight_twice(scenario, ratio) if match is None and loss_equal else None
+            if tied is not None:
+                return _make("tied_weight_twice", d, tied)
             if match is not None:
                 rule, why = match
                 return _make(
@@ -421,6 +450,11 @@ def diagnose(
         d = losses[0]
         norms_before = [x for x in norms if x.run == d.run and x.step is not None and x.step < (d.step or 0)]
         if d.step is not None and not norms_before:
+            twin = _run_of(scenario, d.run)
+            ref_steps = (trace_of(f"reference:{twin.twin or twin.truth}") or {}).get("steps") if twin else None
+            clipped = diagnose_rules.clip_rule(scenario, d, ref_steps or [])
+            if clipped is not None:
+                return _make(clipped[0], d, clipped[1])
             return _make(
                 "optimizer",
                 d,

@@ -240,6 +240,10 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     # Adam would normalise most of it away.
     "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
     "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01),
+    # Weight decay large enough that decaying a frozen parameter (one the strategy handed to the
+    # optimizer with a zero gradient) shrinks it by lr * weight_decay = 4% per step: the next loss
+    # moves ~100x its tolerance (0.1 moved it 3x).
+    "adamw_decay": lambda params: torch.optim.AdamW(params, lr=2e-2, weight_decay=2.0),
     "adamw_groups": lambda params: torch.optim.AdamW(_split_groups(params)),
     # Per-parameter state other than Adam's (a running average of squared gradients and a momentum
     # buffer), created lazily at the first step like Adam's.
@@ -256,6 +260,7 @@ OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 _OPTIMIZER_CLASSES = {
     "sgd": "torch.optim.SGD",
     "adamw": "torch.optim.AdamW",
+    "adamw_decay": "torch.optim.AdamW",
     "adamw_groups": "torch.optim.AdamW",
     "rmsprop": "torch.optim.RMSprop",
     "adagrad_groups": "torch.optim.Adagrad",
@@ -434,6 +439,8 @@ class Scenario:
     #: Premises checked on the reference, so a scenario cannot pass vacuously:
     #: ``"clips"`` (the pre-clip norm exceeds the clip value at every step,
     #: and the reference ends far from its unclipped control run),
+    #: ``"straddles_clip"`` (at least 3 steps above the clip value and 3 below
+    #: it, and the reference ends far from its unclipped control run),
     #: ``"overflow"`` (exactly the poisoned step is skipped),
     #: ``"buffers_change"`` (every floating buffer moves at every recorded checkpoint).
     premises: tuple[str, ...] = ()
@@ -594,12 +601,15 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "clipping",
-        "MLP, clip by global norm at a value every step exceeds, accumulation 2",
+        "MLP, clip by global norm at a value half the steps exceed (clipped) and half stay under (left "
+        "unchanged: the coefficient is capped at 1), accumulation 2",
         model="mlp",
         optimizer="sgd",
         accumulate_grad_batches=2,
-        grad_clip_norm=0.1,
-        premises=("clips",),
+        # The reference's pre-clip norms: 2.63, 2.66, 1.68, 2.36, 1.02, 1.56, 1.85, 2.39.
+        grad_clip_norm=2.0,
+        max_steps=8,
+        premises=("straddles_clip",),
         runs=_clip_runs(),
     ),
     Scenario(
@@ -632,9 +642,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "frozen",
-        "first layer frozen, clipping on, accumulation 2",
+        "first layer frozen, clipping on, accumulation 2, weight decay 2.0 (a frozen parameter decayed moves)",
         model="frozen",
-        optimizer="adamw",
+        optimizer="adamw_decay",
         accumulate_grad_batches=2,
         grad_clip_norm=1.0,
     ),
