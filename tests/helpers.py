@@ -132,3 +132,17 @@ def train(
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def suite_report_dir(tmp_path_factory: Any, name: str) -> Any:
+    """Where a test's conformance run writes its report: ``$UNISON_CI_REPORTS/NAME`` when set (``.ci/run``
+    scores the deliberately broken strategies' reports there: the mutation score), else a temporary directory."""
+    import os
+    from pathlib import Path
+
+    root = os.environ.get("UNISON_CI_REPORTS")
+    if not root:
+        return tmp_path_factory.mktemp(name)
+    path = Path(root) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -20,6 +20,8 @@ from unison.conformance.report import SuiteReport, certify
 from unison.conformance.runner import Suite, execute_run
 from unison.conformance.scenarios import SCENARIOS_BY_NAME, Sizing
 
+from helpers import suite_report_dir
+
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 PLUGIN = "conformance_broken_strategies"
@@ -56,7 +58,7 @@ def report(tmp_path_factory) -> SuiteReport:
         timeout=300,
         workdir=tmp_path_factory.mktemp("conformance-broken"),
     ) as suite:
-        return certify(BROKEN, suite=suite, report_dir=tmp_path_factory.mktemp("conformance-broken-report"))
+        return certify(BROKEN, suite=suite, report_dir=suite_report_dir(tmp_path_factory, "broken"))
 
 
 def _statuses(report: SuiteReport, name: str) -> dict[str, str]:
@@ -268,7 +270,7 @@ def test_the_suites_runs_print_no_progress(capfd):
 
 @pytest.fixture(scope="module")
 def checkpoint_report(tmp_path_factory) -> tuple[SuiteReport, Path]:
-    report_dir = tmp_path_factory.mktemp("conformance-checkpoints-report")
+    report_dir = suite_report_dir(tmp_path_factory, "checkpoints")
     with Suite(
         world_size=2,
         scenarios=["resume", "cross_resume", "reshard"],

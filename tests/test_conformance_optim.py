@@ -27,6 +27,8 @@ from unison.conformance.report import SuiteReport, certify
 from unison.conformance.runner import Suite
 from unison.conformance.scenarios import BACKOFF_STEPS, SCENARIOS_BY_NAME
 
+from helpers import suite_report_dir
+
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 PLUGIN = "conformance_broken_optim"
@@ -47,7 +49,7 @@ def plugin_on_path():
 
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("conformance-optim-report")
+    return suite_report_dir(tmp_path_factory, "optim")
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,8 @@ from unison.conformance.runner import StrategyResult, Suite, execute_run, make_p
 from unison.conformance.scenarios import PRECISION_CONTROL, SCENARIOS_BY_NAME, Sizing
 from unison.conformance.sensitivity import SENSITIVITY_MIN
 
+from helpers import suite_report_dir
+
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 PLUGIN = "conformance_broken_precision"
@@ -47,7 +49,7 @@ def plugin_on_path():
 
 @pytest.fixture(scope="module")
 def report_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("conformance-precision-report")
+    return suite_report_dir(tmp_path_factory, "precision")
 
 
 @pytest.fixture(scope="module")

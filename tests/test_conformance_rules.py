@@ -18,6 +18,8 @@ from unison.conformance.compare import FAIL, PASS
 from unison.conformance.report import SuiteReport, certify
 from unison.conformance.runner import Suite
 
+from helpers import suite_report_dir
+
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
 PLUGIN = "conformance_broken_rules"
@@ -56,9 +58,7 @@ def report(tmp_path_factory) -> SuiteReport:
         timeout=300,
         workdir=tmp_path_factory.mktemp("conformance-rules"),
     ) as suite:
-        return certify(
-            [CONTROL, *EXPECTED], suite=suite, report_dir=tmp_path_factory.mktemp("conformance-rules-report")
-        )
+        return certify([CONTROL, *EXPECTED], suite=suite, report_dir=suite_report_dir(tmp_path_factory, "rules"))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
