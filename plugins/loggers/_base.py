@@ -91,6 +91,9 @@ class RunLogger:
 
     @hookimpl(trylast=True)
     def unison_on_fit_end(self, trainer: Any) -> None:
+        progress = getattr(trainer, "progress", None)
+        if self._active and self.run is not None and progress is not None and progress.run_dir is None:
+            progress.run_dir = self.run.location  # no root_dir: fit's result names the loggers' run directory
         self._finish(ok=True)
 
     @hookimpl

@@ -151,7 +151,8 @@ class RunDirectory:
         return str(self.remote / self.path.name) if self.remote is not None else str(self.path)
 
     def open(self, trainer: Any) -> Path:
-        """The current fit's version directory, created (with ``run.json``) by the first caller."""
+        """The current fit's version directory, created (with ``run.json``) by the first caller, who prints
+        ``unison: run directory: LOCATION`` on stderr (unless the trainer's ``progress`` is ``"off"``)."""
         if self._users == 0:
             run_dir = getattr(trainer, "run_dir", None)
             resumed = getattr(trainer, "resumed_from", None)
@@ -179,6 +180,8 @@ class RunDirectory:
             (self.path / RUN_FILE).write_text(json.dumps(self.metadata, indent=2, sort_keys=True, default=str) + "\n")
             self._uploaded = {}
             self.upload(final=True)  # claims version_N in object storage before anything is logged
+            if getattr(trainer.settings, "progress", "off") != "off":  # an info line: progress="off" silences it
+                print(f"unison: run directory: {self.location}", file=sys.stderr, flush=True)
         self._users += 1
         assert self.path is not None
         return self.path
