@@ -107,3 +107,48 @@ def test_run_names_follow_the_script():
     assert run_name("/home/me/exp/train.py") == "train"
     assert run_name("/home/me/pkg/__main__.py") == "pkg"  # python -m pkg
     assert run_name("-c") == run_name("") == run_name("/x/ipykernel_launcher.py") == "unison"
+
+
+SCRIPT = """
+import os
+
+import torch
+import unison
+from torch.utils.data import TensorDataset
+
+if __name__ == "__main__":
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    trainer = unison.Trainer(
+        strategy="ddp", nproc=2, accelerator="cpu", global_batch_size=16, max_steps=4, progress="plain"
+    )
+    result = trainer.fit(
+        torch.nn.Linear(8, 1),
+        TensorDataset(x, x.sum(dim=1, keepdim=True)),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+    )
+    print(f"rank {os.environ['RANK']}: {result.run_dir} {result.metrics['train/loss']!r}")
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_world_of_2_started_by_python_train_py_makes_one_version_written_by_rank_0(tmp_path):
+    import os
+    import subprocess
+
+    (tmp_path / "train.py").write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != DEFAULT_ROOT_ENV} | {"OMP_NUM_THREADS": "1"}
+    job = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+    )
+    assert job.returncode == 0, job.stderr[-3000:]
+    run = tmp_path / "runs" / "train" / "version_0"
+    assert sorted(p.name for p in (tmp_path / "runs" / "train").iterdir()) == ["version_0"]
+    assert job.stderr.count("unison: run directory:") == 1 and f"unison: run directory: {run}\n" in job.stderr
+    losses = _train_losses(run)
+    assert [s for s, _ in losses] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_csv(run / "metrics.csv")] == [1, 2, 3, 4]
+    said = dict(line.split(": ", 1) for line in job.stdout.splitlines() if line.startswith("rank "))
+    assert said["rank 0"] == f"{run} {losses[-1][1]!r}"  # the final metrics fit returned: the file's last loss
+    assert said["rank 1"].startswith("None ")  # only rank 0 writes (and names) the run directory
