@@ -76,6 +76,15 @@ def test_loggers_false_writes_no_run_directory_and_prints_none(script_in, capsys
     assert result.metrics["train/loss"] == trainer.progress.history[-1].loss  # the result still holds them
     with pytest.raises(unison.ConfigurationError, match=r"loggers: True is not a list of loggers.*loggers=False"):
         unison.Trainer(max_steps=1, loggers=True)
+    # A default root that cannot be made is refused at construction, naming the ways around it.
+    (script_in / "a-file").write_text("")
+    monkeypatch.setenv(DEFAULT_ROOT_ENV, str(script_in / "a-file" / "runs"))
+    with pytest.raises(
+        unison.ConfigurationError,
+        match=r"loggers: the run directory .*a-file is not a writable directory.*UNISON_RUNS_ROOT",
+    ):
+        unison.Trainer(max_steps=1)
+    unison.Trainer(max_steps=1, loggers=False)  # no metric files: nothing to refuse
 
 
 def test_the_runs_root_variable_and_a_resume_from_checkpoint_dir(script_in, capsys, monkeypatch):

@@ -55,6 +55,11 @@ class RunLogger:
         self._active = False
         self._warned = False
 
+    @hookimpl
+    def unison_on_trainer_init(self, trainer: Any) -> None:
+        if self.run is not None:
+            self.run.check_local()  # an unwritable directory is refused before training, not at the first fit
+
     @hookimpl(tryfirst=True)
     def unison_on_fit_start(self, trainer: Any) -> None:
         if not trainer.is_global_zero:

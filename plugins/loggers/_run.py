@@ -52,7 +52,7 @@ from typing import Any, ClassVar
 import torch
 
 from unison.errors import ConfigurationError
-from unison.runs import new_version
+from unison.runs import DEFAULT_ROOT_ENV, new_version
 from unison.storage import LocalStorage, open_storage, split_url
 
 RUN_FILE = "run.json"
@@ -126,6 +126,23 @@ class RunDirectory:
         self._uploaded: dict[str, tuple[int, int]] = {}
         self._last_upload = 0.0
         self._upload_warned = False
+
+    def check_local(self) -> None:
+        """A local root can be made: its nearest existing ancestor is a writable directory (before training;
+        a :class:`~unison.ConfigurationError` otherwise). Object storage was checked when this was made."""
+        if self.remote is not None:
+            return
+        existing = self.root.absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing.is_dir() and os.access(existing, os.W_OK):
+            return
+        raise ConfigurationError(
+            "loggers",
+            f"the run directory {self.root.absolute()} cannot be made: {existing} is not a writable directory",
+            f"give root_dir (or the loggers) a writable directory; without either, set {DEFAULT_ROOT_ENV} (where "
+            "the default runs/ goes), or pass loggers=False for no metric files",
+        )
 
     @classmethod
     def get(cls, root: str | os.PathLike[str] | RunDirectory) -> RunDirectory:
