@@ -389,7 +389,9 @@ def execute_run(
         settings = scenario.trainer_settings(sizing, run)
         if checkpoint_dir is not None:
             settings["checkpoint_dir"] = str(checkpoint_dir)
-        trainer = unison.Trainer(strategy=strategy, plugin_manager=pm, callbacks=[recorder], **settings)
+        trainer = unison.Trainer(
+            strategy=strategy, plugin_manager=pm, callbacks=[recorder], loggers=False, **settings
+        )  # loggers=False: the suite's runs leave no run directory behind
         boundaries: list[bool] = []
         _instrument(trainer.strategy, boundaries)
         optimizers: list[torch.optim.Optimizer] = []

@@ -354,9 +354,11 @@ def unison_default_plugins(settings: Any, plugins: list[Any]) -> list[Any]:
     rank, before any process group exists), after the plugins passed as
     ``callbacks=``/``loggers=`` were registered. This is how the Python API
     gets a progress display (``settings.progress``), throughput metrics
-    (``settings.throughput``) and, with a ``settings.root_dir`` and no logger
-    of its own, JSONL and CSV metrics in its run directory, without the core
-    importing any plugin.
+    (``settings.throughput``) and, with no logger of its own, JSONL and CSV
+    metrics in its run directory (``root_dir/version_N``, else
+    ``runs/NAME/version_N``), without the core importing any plugin. With
+    ``Trainer(loggers=False)`` the Trainer drops the returned plugins that
+    implement ``unison_log_metrics``.
 
     Args:
         settings: the Trainer's :class:`~unison.TrainerSettings`.

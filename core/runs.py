@@ -32,12 +32,20 @@ Rules (why each exists):
 
 ``root_dir`` is a local path; runs in object storage are configured with
 ``checkpoint_dir`` and ``[logging] dir`` URLs instead.
+
+Without a ``root_dir`` and without loggers of its own, a fit still records its
+metrics: the default JSONL and CSV loggers write into a fresh
+``runs/NAME/version_N`` under the working directory (:func:`default_root`;
+``NAME`` is the script's name, ``train.py`` -> ``train``), and checkpoints stay
+off unless ``checkpoint_dir`` is set. ``Trainer(loggers=False)`` writes no
+metrics files at all.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +55,20 @@ from unison.storage import split_url
 
 #: Environment variable through which a launcher hands its workers the run directory it chose.
 RUN_DIR_ENV = "UNISON_RUN_DIR"
+#: Environment variable naming the directory that holds default runs instead of ``./runs``.
+DEFAULT_ROOT_ENV = "UNISON_RUNS_ROOT"
 #: A run's checkpoints inside its version directory.
 CHECKPOINTS = "checkpoints"
 _VERSION = re.compile(r"version_(\d+)")
 
 __all__ = [
     "CHECKPOINTS",
+    "DEFAULT_ROOT_ENV",
     "RUN_DIR_ENV",
     "agree",
     "check_root",
     "choose_for_workers",
+    "default_root",
     "new_version",
     "plan_run",
     "prepare",
@@ -75,6 +87,27 @@ def check_root(root_dir: str) -> Path:
             "for metrics), or use a local root_dir",
         )
     return Path("/" + url[1]) if url is not None else Path(root_dir)
+
+
+def run_name(argv0: str | None = None) -> str:
+    """The name of this program's default runs: the script's stem (``train.py``, ``python -m pkg.train``:
+    ``train``; a package's ``__main__.py``: the package), ``"unison"`` without a script (``python -c``,
+    an interactive session, a notebook kernel)."""
+    arg = sys.argv[0] if argv0 is None and sys.argv else (argv0 or "")
+    path = Path(arg)
+    if not arg or arg.startswith("-") or path.stem in ("ipykernel_launcher", ""):
+        return "unison"
+    if path.stem == "__main__":
+        return path.absolute().parent.name or "unison"
+    return path.stem
+
+
+def default_root() -> Path:
+    """Where a fit without ``root_dir`` and without loggers of its own writes its metrics' versions:
+    ``$UNISON_RUNS_ROOT/NAME`` when that variable is set, else ``./runs/NAME`` (absolute, made at the
+    first fit; see :func:`run_name`)."""
+    base = os.environ.get(DEFAULT_ROOT_ENV) or "runs"
+    return (Path(base) / run_name()).absolute()
 
 
 def versions(root: Path) -> list[tuple[int, Path]]:

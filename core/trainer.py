@@ -173,7 +173,8 @@ class Progress:
     checkpoint: str | None = field(default=None, compare=False)
     """The newest checkpoint committed when ``fit`` returned (``None`` without checkpoints)."""
     run_dir: str | None = field(default=None, compare=False)
-    """This fit's ``root_dir/version_N`` (``None`` without a ``root_dir``)."""
+    """This fit's ``root_dir/version_N``; without a ``root_dir``, the directory its file loggers wrote
+    (the default ``runs/NAME/version_N``) on global rank 0, else ``None``."""
 
     def state_dict(self) -> dict[str, int]:
         return {
@@ -420,6 +421,8 @@ class Trainer:
         val_every_n_steps: validate every N steps; with a val_dataset, always once at the end.
         val_batch_size: validation samples per rank per forward.
         root_dir: runs' home: each fit writes into a new ``root_dir/version_N`` (checkpoints, metrics).
+            ``None``: metrics only, into ``runs/NAME/version_N`` under the working directory (see
+            ``loggers``; NAME is the script's name, :func:`unison.runs.default_root`).
         checkpoint_dir: exactly where checkpoints go; ``None``: ``root_dir/version_N/checkpoints`` with a
             ``root_dir``, else none.
         checkpoint_every_n_steps: save every N steps (and always at the end when checkpoint_dir is set).
@@ -429,7 +432,8 @@ class Trainer:
         pin_memory: pin host batches so copies to the GPU are asynchronous.
         prefetch_factor: micro-batches each worker loads ahead (needs ``num_workers > 0``).
         persistent_workers: keep workers alive between epochs (needs ``num_workers > 0``).
-        progress: progress display on rank 0: ``auto``, ``rich``, ``plain`` or ``off``.
+        progress: progress display on rank 0: ``auto``, ``rich``, ``plain`` or ``off`` (``off`` also
+            silences the run-directory and resume lines; warnings and errors still print).
         progress_every_n_steps: steps between plain progress lines; ``None`` prints about 20 per run.
         throughput: log step time, samples/s, tokens/s and peak memory (the default Throughput callback).
         nonfinite: a non-finite loss or grad norm in a precision without loss scaling: ``"raise"``
@@ -444,7 +448,9 @@ class Trainer:
         nproc: processes on this node: ``python train.py`` then starts them itself (docs/launch.md);
             ``None``: as launched.
         callbacks: pluggy plugins (objects with ``@unison.hookimpl`` methods).
-        loggers: also plugins; they implement ``unison_log_metrics``.
+        loggers: also plugins; they implement ``unison_log_metrics``. None given: JSONL and CSV
+            metrics in the run directory (``root_dir/version_N``, else ``runs/NAME/version_N``).
+            ``False``: no metric logger at all, and no run directory without a ``root_dir``.
         plugin_manager: reuse a manager instead of building one (advanced).
 
     Every check that can be made before the process group starts is made here
@@ -484,7 +490,7 @@ class Trainer:
         max_consecutive_skips: int = 25,
         stall_timeout_s: float | None = 300.0,
         callbacks: Iterable[Any] = (),
-        loggers: Iterable[Any] = (),
+        loggers: Iterable[Any] | Literal[False] = (),
         plugin_manager: PluginManager | None = None,
         **unknown: Never,
     ) -> None:
@@ -498,11 +504,19 @@ class Trainer:
         if self.settings.root_dir is not None:
             runs.check_root(self.settings.root_dir)  # before the default loggers open it
         self.pm = plugin_manager or PluginManager()
-        explicit = [*callbacks, *loggers]
+        if loggers is True:
+            raise ConfigurationError(
+                "loggers",
+                "True is not a list of loggers",
+                "leave loggers out for the default JSONL and CSV metrics, pass loggers=[...], or loggers=False",
+            )
+        explicit = [*callbacks, *(loggers or ())]
         for plugin in explicit:
             self.pm.register(plugin)
-        # Progress display and throughput come from plugins, so the core never imports them.
+        # Progress display, throughput and default metrics come from plugins, so the core never imports them.
         for plugin in self.pm.unison_default_plugins(settings=self.settings, plugins=explicit):
+            if loggers is False and hasattr(plugin, "unison_log_metrics"):
+                continue  # loggers=False: not even the default ones
             self.pm.register(plugin)
         self.pm.check_pending()
         _, world_size, _ = world_from_env()
@@ -658,7 +672,7 @@ class Trainer:
                 checkpoint. ``None``: start fresh: a new ``version_N`` under
                 ``root_dir``; an explicit ``checkpoint_dir`` must then hold no
                 other run's checkpoints. A resume prints ``resuming from step
-                N: PATH`` once (rank 0, stderr).
+                N: PATH`` once (rank 0, stderr; not with ``progress="off"``).
             count_tokens: batch -> tokens, replacing the rule of
                 :func:`unison.batch.count_tokens` for throughput metrics.
 
@@ -676,7 +690,9 @@ class Trainer:
             :class:`Progress` (also ``trainer.progress``): the step counters,
             ``metrics`` (the latest value of every logged metric, e.g.
             ``train/loss`` and ``val/loss``), ``checkpoint`` (the newest
-            committed checkpoint, or ``None``) and ``run_dir``.
+            committed checkpoint, or ``None``) and ``run_dir`` (where the
+            metrics went: ``root_dir/version_N``, or by default
+            ``runs/NAME/version_N``; see :class:`Progress`).
         """
         s = self.settings
         rank, world_size, _ = world_from_env()
@@ -1206,5 +1222,5 @@ class Trainer:
             seed_everything(self.settings.seed + self.progress.global_step + 7919 * self.env.rank)
         self.pm.unison_on_load_checkpoint(trainer=self, checkpoint=trainer_state)
         self.resumed_from = {"step": self.progress.global_step, "checkpoint": str(path)}
-        if self.env.rank == 0:
+        if self.env.rank == 0 and self.settings.progress != "off":  # an info line, like the progress display's
             print(f"unison: resuming from step {self.progress.global_step}: {path}", file=sys.stderr, flush=True)

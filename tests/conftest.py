@@ -1,11 +1,24 @@
-"""Fixtures shared by test modules: the S3 server (started only by the tests that ask for it)."""
+"""Fixtures shared by test modules: the S3 server (started only by the tests that ask for it).
+
+Trainers without a ``root_dir`` or loggers write their default metrics under ``$UNISON_RUNS_ROOT``:
+set here, before any test module builds its subprocess environment, to a directory removed at exit,
+so no test (or world it starts) leaves ``runs/`` in the checkout.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import s3_server
+
+if "UNISON_RUNS_ROOT" not in os.environ:
+    _runs = tempfile.mkdtemp(prefix="unison-test-runs-")
+    os.environ["UNISON_RUNS_ROOT"] = _runs
+    atexit.register(shutil.rmtree, _runs, True)
 
 
 @pytest.fixture(scope="session")

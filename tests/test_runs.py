@@ -34,12 +34,12 @@ def test_jobs_started_together_never_share_a_version(tmp_path):
     assert sorted(names) == [f"version_{n}" for n in range(8)]
 
 
-def _fit(root: Path, max_steps: int, ckpt_path=None, **settings):
+def _fit(root: Path, max_steps: int, ckpt_path=None, progress="off", **settings):
     trainer = unison.Trainer(
         strategy="single",
         global_batch_size=16,
         max_steps=max_steps,
-        progress="off",
+        progress=progress,
         root_dir=str(root),
         checkpoint_every_n_steps=2,
         **settings,
@@ -80,9 +80,10 @@ def test_python_api_runs_get_versions_metrics_by_default_and_resume_in_place(tmp
     # Resume a step-2 checkpoint of version_0: the run continues in version_0, its series replaced after step 2.
     capsys.readouterr()
     step2 = run.absolute() / "checkpoints/step-00000002"
-    _, resumed = _fit(tmp_path, 6, ckpt_path=str(step2))
+    _, resumed = _fit(tmp_path, 6, ckpt_path=str(step2), progress="plain")
     assert resumed.run_dir == str(run.absolute()) and resumed.global_step == 6
-    assert f"resuming from step 2: {step2}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"unison: resuming from step 2: {step2}" in err and f"unison: run directory: {run.absolute()}\n" in err
     steps = [r["step"] for r in read_csv(run / "metrics.csv")]
     assert steps == [1, 2, 3, 4, 5, 6]  # no step twice
     jsonl_steps = [r["step"] for r in read_jsonl(run / "metrics.jsonl") if "train/loss" in r]

@@ -55,6 +55,11 @@ class RunLogger:
         self._active = False
         self._warned = False
 
+    @hookimpl
+    def unison_on_trainer_init(self, trainer: Any) -> None:
+        if self.run is not None:
+            self.run.check_local()  # an unwritable directory is refused before training, not at the first fit
+
     @hookimpl(tryfirst=True)
     def unison_on_fit_start(self, trainer: Any) -> None:
         if not trainer.is_global_zero:
@@ -91,6 +96,9 @@ class RunLogger:
 
     @hookimpl(trylast=True)
     def unison_on_fit_end(self, trainer: Any) -> None:
+        progress = getattr(trainer, "progress", None)
+        if self._active and self.run is not None and progress is not None and progress.run_dir is None:
+            progress.run_dir = self.run.location  # no root_dir: fit's result names the loggers' run directory
         self._finish(ok=True)
 
     @hookimpl

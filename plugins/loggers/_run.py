@@ -52,7 +52,7 @@ from typing import Any, ClassVar
 import torch
 
 from unison.errors import ConfigurationError
-from unison.runs import new_version
+from unison.runs import DEFAULT_ROOT_ENV, new_version
 from unison.storage import LocalStorage, open_storage, split_url
 
 RUN_FILE = "run.json"
@@ -127,6 +127,23 @@ class RunDirectory:
         self._last_upload = 0.0
         self._upload_warned = False
 
+    def check_local(self) -> None:
+        """A local root can be made: its nearest existing ancestor is a writable directory (before training;
+        a :class:`~unison.ConfigurationError` otherwise). Object storage was checked when this was made."""
+        if self.remote is not None:
+            return
+        existing = self.root.absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if existing.is_dir() and os.access(existing, os.W_OK):
+            return
+        raise ConfigurationError(
+            "loggers",
+            f"the run directory {self.root.absolute()} cannot be made: {existing} is not a writable directory",
+            f"give root_dir (or the loggers) a writable directory; without either, set {DEFAULT_ROOT_ENV} (where "
+            "the default runs/ goes), or pass loggers=False for no metric files",
+        )
+
     @classmethod
     def get(cls, root: str | os.PathLike[str] | RunDirectory) -> RunDirectory:
         """The process-wide :class:`RunDirectory` for ``root`` (``root`` itself when it is one)."""
@@ -151,7 +168,8 @@ class RunDirectory:
         return str(self.remote / self.path.name) if self.remote is not None else str(self.path)
 
     def open(self, trainer: Any) -> Path:
-        """The current fit's version directory, created (with ``run.json``) by the first caller."""
+        """The current fit's version directory, created (with ``run.json``) by the first caller, who prints
+        ``unison: run directory: LOCATION`` on stderr (unless the trainer's ``progress`` is ``"off"``)."""
         if self._users == 0:
             run_dir = getattr(trainer, "run_dir", None)
             resumed = getattr(trainer, "resumed_from", None)
@@ -179,6 +197,8 @@ class RunDirectory:
             (self.path / RUN_FILE).write_text(json.dumps(self.metadata, indent=2, sort_keys=True, default=str) + "\n")
             self._uploaded = {}
             self.upload(final=True)  # claims version_N in object storage before anything is logged
+            if getattr(trainer.settings, "progress", "off") != "off":  # an info line: progress="off" silences it
+                print(f"unison: run directory: {self.location}", file=sys.stderr, flush=True)
         self._users += 1
         assert self.path is not None
         return self.path
