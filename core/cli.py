@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> None:
 
             sys.exit(report_worker_failure(exc))
         # An error in this process itself (before any worker, or a run trained here): printed once, and
-        # the error's own exit code (a ConfigurationError 2, any other UnisonError 1; unison.errors).
+        # the error's own exit code (a ConfigurationError or PluginError 2, any other UnisonError 1; unison.errors).
         # escape: messages name extras like unison[tensorboard], which rich would read as markup
         console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(exc.exit_code)

@@ -62,4 +62,7 @@ class StrategyUnavailableError(ConfigurationError):
 
 
 class PluginError(UnisonError):
-    """A plugin that does not match the hook specifications."""
+    """A plugin that does not match the hook specifications, or cannot be loaded: the environment's
+    configuration (``UNISON_PLUGINS``, an installed entry point), fixed by the user like a ConfigurationError."""
+
+    exit_code = EXIT_CONFIGURATION
