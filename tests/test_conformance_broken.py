@@ -10,7 +10,6 @@ declared) is certified with those scenarios listed as declared out.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -36,17 +35,6 @@ BROKEN = [
     "per_rank_val_mean",
     "forgets_momentum",
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def plugin_on_path():
-    here = str(Path(__file__).resolve().parent)
-    added = here not in sys.path
-    if added:
-        sys.path.insert(0, here)
-    yield
-    if added:
-        sys.path.remove(here)
 
 
 @pytest.fixture(scope="module")

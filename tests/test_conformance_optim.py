@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,17 +33,6 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 PLUGIN = "conformance_broken_optim"
 SCENARIOS = ["resume_adagrad", "resume_fp16"]
 STRATEGIES = ["ddp", "zero2", "forgets_scaler_state", "restores_scaler"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def plugin_on_path():
-    here = str(Path(__file__).resolve().parent)
-    added = here not in sys.path
-    if added:
-        sys.path.insert(0, here)
-    yield
-    if added:
-        sys.path.remove(here)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,17 +33,6 @@ PLUGIN = "conformance_broken_precision"
 SCENARIO = "bf16_mixed"
 BROKEN = ["trains_fp32", "bf16_no_masters"]
 CONTROL = "ddp"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def plugin_on_path():
-    here = str(Path(__file__).resolve().parent)
-    added = here not in sys.path
-    if added:
-        sys.path.insert(0, here)
-    yield
-    if added:
-        sys.path.remove(here)
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,6 @@ least 10x outside its tolerance; the control is certified on the same scenarios.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from unison.conformance.compare import FAIL, PASS
@@ -36,17 +33,6 @@ EXPECTED = {
     "drops_buffers_on_resume": ("resume", "buffers_on_resume"),
     "partial_optimizer_state": ("cross_resume", "partial_optimizer_state"),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def plugin_on_path():
-    here = str(Path(__file__).resolve().parent)
-    added = here not in sys.path
-    if added:
-        sys.path.insert(0, here)
-    yield
-    if added:
-        sys.path.remove(here)
 
 
 @pytest.fixture(scope="module")
