@@ -110,7 +110,7 @@ def _fmt_ratio(r: float) -> str:
 def section_overhead(w: Any, rounds: int, timeout: float) -> tuple[list[Table], dict[str, Any]]:
     from benchmarks.overhead import DISTRIBUTED, alternate, summarize, world_overhead
     from benchmarks.workload import HAND_DESCRIPTION
-    from unison.launch import spawn
+    from unison.launch.torchrun import spawn
 
     results = {"single": alternate(w, "single", rounds)}
     world = spawn(world_overhead, 2, w, DISTRIBUTED, rounds, timeout=timeout)[0]
@@ -168,7 +168,7 @@ def section_overhead(w: Any, rounds: int, timeout: float) -> tuple[list[Table], 
 
 def section_peer(w: Any, rounds: int, timeout: float) -> tuple[Table, dict[str, Any]]:
     from benchmarks.peer import world_peer
-    from unison.launch import spawn
+    from unison.launch.torchrun import spawn
 
     out = spawn(world_peer, 2, w, rounds, timeout=timeout)[0]
     u, lt = statistics.median(out["times"]["unison"]), statistics.median(out["times"]["lightning"])
@@ -236,7 +236,7 @@ def section_framework(w: Any, rounds: int) -> tuple[list[Table], dict[str, Any]]
 
 def section_worlds(w: Any, rounds: int, timeout: float) -> tuple[list[Table], dict[str, Any]]:
     from benchmarks.memory_scaling import MEMORY, SCALING, ZERO_FORMULA, ZERO_FORMULA_TEXT, world_memory_scaling
-    from unison.launch import spawn
+    from unison.launch.torchrun import spawn
 
     results = {n: spawn(world_memory_scaling, n, w, rounds, n > 1, timeout=timeout)[0] for n in (1, 2, 4)}
     scaling = Table(

@@ -177,7 +177,7 @@ def framework_time(w: Workload, callbacks: int, rounds: int) -> dict[str, float]
 def hook_dispatch(callbacks: int, iterations: int = 3000, rounds: int = 5) -> float:
     """Microseconds per optimizer step to dispatch the five per-step hooks with ``callbacks`` callbacks."""
     import unison
-    from unison.trainer import StepOutput
+    from unison.training.trainer import StepOutput
 
     trainer = unison.Trainer(
         strategy="single", callbacks=noop_callbacks(callbacks), max_steps=10, progress="off", log_every_n_steps=10**6
@@ -205,7 +205,7 @@ def sampler_cost(dataset_size: int = 1_281_167, steps: int = 200) -> dict[str, f
     pays it) and slices it afterwards; ``randperm_us`` is what one draw costs,
     which a plan drawing it every step would pay every step.
     """
-    from unison.data import BatchPlan
+    from unison.data.loader import BatchPlan
 
     plan = BatchPlan(dataset_size, 256, 4, 2, 0, seed=0, shuffle=True)
     epoch = 3  # an epoch no earlier call has drawn

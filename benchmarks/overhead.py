@@ -34,7 +34,7 @@ def without_stop_agreement() -> Iterator[None]:
     Not a supported mode: with it a ``should_stop`` set on one rank, or a
     signal reaching one rank, would stop the ranks after different steps.
     """
-    from unison.trainer import Trainer
+    from unison.training.trainer import Trainer
 
     agree = Trainer._agree_to_stop
     Trainer._agree_to_stop = lambda self: self.should_stop  # type: ignore[method-assign]

@@ -111,7 +111,7 @@ def _command() -> Any:
         if names == ["all"]:
             # Every registered strategy but the reference itself; unavailable
             # ones are reported as skipped with their reason.
-            from unison.manager import PluginManager
+            from unison.plugin.manager import PluginManager
 
             names = [s.name for s in PluginManager(plugins=_load(plugins)).strategies.specs() if s.name != "single"]
         try:

@@ -21,7 +21,7 @@ What is compared (see :mod:`unison.conformance.scenarios` for the run roles):
   the counted scheduler steps; the grad norm given to
   ``unison_on_before_optimizer_step`` is the one reported for the step;
 * declarations: trainer-owned accumulation synchronises gradients as its
-  :class:`~unison.ownership.GradSync` says: ``boundary``: no gradient
+  :class:`~unison.contract.ownership.GradSync` says: ``boundary``: no gradient
   all-reduce or reduce-scatter inside ``no_sync()`` or in any micro-step but
   the last, and as many gradient collectives per optimizer step as the same
   model without accumulation (``same_sync_as``); ``every-micro-step``: no
@@ -35,7 +35,7 @@ What is compared (see :mod:`unison.conformance.scenarios` for the run roles):
 
 Refusals. A run refused before ``fit`` starts the process group (the runner's
 ``refused`` status) is *declared out* only when the run needs something the
-strategy's declaration refuses: a :class:`~unison.ownership.Feature`, a
+strategy's declaration refuses: a :class:`~unison.contract.ownership.Feature`, a
 precision, or the world size (:func:`~unison.conformance.scenarios.needs`).
 Any other refusal is a failure, "refused X although it declares it
 supported". A run that fails after setup started is an error, never a refusal.
@@ -89,7 +89,7 @@ import torch
 from unison.conformance.runner import StrategyResult
 from unison.conformance.scenarios import Run, Scenario, build_model, needs
 from unison.conformance.validation import check_validations
-from unison.ownership import AccumulationOwner, Feature, GradSync, WorldSizes
+from unison.contract.ownership import AccumulationOwner, Feature, GradSync, WorldSizes
 
 #: Denominator floor of the relative comparisons.
 RELATIVE_FLOOR = 1e-3
@@ -925,7 +925,7 @@ def _check_accumulation(
 def declared_refusals(ownership: dict[str, Any], world_size: int) -> dict[str, str]:
     """Everything ``ownership`` (a declaration as a dict) refuses at ``world_size``: key -> reason.
 
-    Keys are :class:`~unison.ownership.Feature` values, ``"precision:NAME"``
+    Keys are :class:`~unison.contract.ownership.Feature` values, ``"precision:NAME"``
     and ``"world_size"``, as in :func:`~unison.conformance.scenarios.needs`.
     """
     out = dict(ownership.get("refuses", {}))

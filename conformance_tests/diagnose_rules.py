@@ -112,8 +112,8 @@ def hard_coded_divisor(
 def tied_weight_twice(scenario: Scenario, ratio: float) -> str | None:
     """Why a grad norm ``ratio`` (strategy / reference, loss equal) points at a tied weight counted twice."""
     from unison.conformance.scenarios import build_model
-    from unison.ownership import Feature
-    from unison.strategy import model_features
+    from unison.contract.ownership import Feature
+    from unison.contract.strategy import model_features
 
     if Feature.TIED_WEIGHTS not in model_features(build_model(scenario.model)):
         return None

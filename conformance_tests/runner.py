@@ -1,6 +1,6 @@
 """Executes the scenario catalogue for one strategy and for the reference.
 
-One strategy is one world: a single :func:`unison.launch.spawn` of
+One strategy is one world: a single :func:`unison.launch.torchrun.spawn` of
 ``world_size`` ranks runs *every* scenario's strategy runs, one after the
 other, in that one process group (starting a world costs seconds; a scenario
 costs a fraction of one). The reference (``single``) runs in this process,
@@ -44,7 +44,7 @@ Every run produces a *trace* (a plain dict, JSON-able but for ``state``):
     Per micro-step too (``gradient_sync_per_micro_step``): each micro-step's
     window runs from the end of the previous micro-step's ``backward`` (or the
     step's start) to the end of its own, so the suite can check the declared
-    :class:`~unison.ownership.GradSync` (boundary only, or every micro-step).
+    :class:`~unison.contract.ownership.GradSync` (boundary only, or every micro-step).
 ``boundaries``
     for engine-owned accumulation, what ``is_accumulation_boundary()``
     answered at every micro-step.
@@ -91,7 +91,7 @@ from typing import Any
 import torch
 
 import unison
-from unison.checkpoint import Checkpointer
+from unison.checkpointing.checkpointer import Checkpointer
 from unison.conformance.scenarios import (
     OPTIMIZERS,
     SCHEDULERS,
@@ -107,8 +107,8 @@ from unison.conformance.scenarios import (
 )
 from unison.conformance.sensitivity import PrecisionProbe, probes_apply
 from unison.conformance.validation import validation_data
+from unison.contract.ownership import STANDARD_PRECISIONS, WorldSizes
 from unison.errors import ConfigurationError, DeclaredRefusal
-from unison.ownership import STANDARD_PRECISIONS, WorldSizes
 
 REFERENCE = "single"
 
@@ -881,7 +881,7 @@ class Suite:
             )
 
     def _run_strategy(self, name: str) -> StrategyResult:
-        from unison.launch import spawn
+        from unison.launch.torchrun import spawn
 
         result = StrategyResult(name=name, status="ran", world_size=self.world_size, alt_world_size=self.alt_world_size)
         pm = make_plugin_manager(self.plugins)

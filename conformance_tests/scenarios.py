@@ -43,7 +43,7 @@ perturb every rank but 0 on purpose):
 
 What a run asks of a strategy (:func:`needs`) is derived from the same
 description: the batch form, accumulation, clipping, resume, the model's
-features (:func:`unison.strategy.model_features`) and the precision. The
+features (:func:`unison.contract.strategy.model_features`) and the precision. The
 comparison accepts a refusal only when one of those is declared refused.
 """
 
@@ -57,8 +57,8 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from unison.ownership import Feature
-from unison.strategy import model_features
+from unison.contract.ownership import Feature
+from unison.contract.strategy import model_features
 
 #: The precision each scenario trains in, and the precisions the suite knows tolerances for.
 FP32, BF16_MIXED, FP16_MIXED = "32-true", "bf16-mixed", "16-mixed"
@@ -503,7 +503,7 @@ class Scenario:
 
 
 def needs(scenario: Scenario, run: Run) -> dict[str, str]:
-    """What ``run`` asks of a strategy, each with why: :class:`~unison.ownership.Feature` values and
+    """What ``run`` asks of a strategy, each with why: :class:`~unison.contract.ownership.Feature` values and
     ``"precision:NAME"``. A strategy may refuse the run only if it declares one of these refused
     (or the run's world size, checked separately)."""
     out: dict[str, str] = {}

@@ -12,43 +12,47 @@ needs it is touched.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 # Public name -> the submodule that defines it.
 _EXPORTS = {
-    "DistEnv": "env",
+    "DistEnv": "contract.env",
     "ConfigurationError": "errors",
     "DeclaredRefusal": "errors",
     "PluginError": "errors",
     "UnisonError": "errors",
     "UnknownStrategyError": "errors",
-    "PluginManager": "manager",
-    "AccumulationOwner": "ownership",
-    "Feature": "ownership",
-    "GradAccumulation": "ownership",
-    "GradSync": "ownership",
-    "Ownership": "ownership",
-    "PrecisionOwner": "ownership",
-    "PrecisionSupport": "ownership",
-    "ReplicaInit": "ownership",
-    "StateDictDeclaration": "ownership",
-    "StateDictKind": "ownership",
-    "WorldSizes": "ownership",
+    "PluginManager": "plugin.manager",
+    "AccumulationOwner": "contract.ownership",
+    "Feature": "contract.ownership",
+    "GradAccumulation": "contract.ownership",
+    "GradSync": "contract.ownership",
+    "Ownership": "contract.ownership",
+    "PrecisionOwner": "contract.ownership",
+    "PrecisionSupport": "contract.ownership",
+    "ReplicaInit": "contract.ownership",
+    "StateDictDeclaration": "contract.ownership",
+    "StateDictKind": "contract.ownership",
+    "WorldSizes": "contract.ownership",
     "hookimpl": "plugin",
-    "Precision": "precision",
-    "PrecisionSpec": "registry",
-    "StrategySpec": "registry",
-    "TrainerSettings": "settings",
-    "DeferredGradSync": "strategy",
-    "EngineAccumulation": "strategy",
-    "ScheduleAccumulation": "strategy",
-    "Strategy": "strategy",
-    "NonFiniteError": "trainer",
-    "Progress": "trainer",
-    "StepOutput": "trainer",
-    "Trainer": "trainer",
+    "Precision": "contract.precision",
+    "PrecisionSpec": "plugin.registry",
+    "StrategySpec": "plugin.registry",
+    "TrainerSettings": "contract.settings",
+    "DeferredGradSync": "contract.strategy",
+    "EngineAccumulation": "contract.strategy",
+    "ScheduleAccumulation": "contract.strategy",
+    "Strategy": "contract.strategy",
+    "NonFiniteError": "training.trainer",
+    "Progress": "training.trainer",
+    "StepOutput": "training.trainer",
+    "Trainer": "training.trainer",
 }
 
 __all__ = [
@@ -86,10 +90,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover - what editors and type checkers see
-    from unison.env import DistEnv
-    from unison.errors import ConfigurationError, DeclaredRefusal, PluginError, UnisonError, UnknownStrategyError
-    from unison.manager import PluginManager
-    from unison.ownership import (
+    from unison.contract.env import DistEnv
+    from unison.contract.ownership import (
         AccumulationOwner,
         Feature,
         GradAccumulation,
@@ -102,12 +104,79 @@ if TYPE_CHECKING:  # pragma: no cover - what editors and type checkers see
         StateDictKind,
         WorldSizes,
     )
+    from unison.contract.precision import Precision
+    from unison.contract.settings import TrainerSettings
+    from unison.contract.strategy import DeferredGradSync, EngineAccumulation, ScheduleAccumulation, Strategy
+    from unison.errors import ConfigurationError, DeclaredRefusal, PluginError, UnisonError, UnknownStrategyError
     from unison.plugin import hookimpl
-    from unison.precision import Precision
-    from unison.registry import PrecisionSpec, StrategySpec
-    from unison.settings import TrainerSettings
-    from unison.strategy import DeferredGradSync, EngineAccumulation, ScheduleAccumulation, Strategy
-    from unison.trainer import NonFiniteError, Progress, StepOutput, Trainer
+    from unison.plugin.manager import PluginManager
+    from unison.plugin.registry import PrecisionSpec, StrategySpec
+    from unison.training.trainer import NonFiniteError, Progress, StepOutput, Trainer
+
+
+# Modules that moved into subpackages in 0.2 (core grouped by concern: contract, plugin, data,
+# checkpointing, launch, config, training). The old flat paths still import, with a
+# DeprecationWarning naming the new one, until 0.3.
+_MOVED = {
+    "strategy": "contract.strategy",
+    "ownership": "contract.ownership",
+    "precision": "contract.precision",
+    "state": "contract.state",
+    "env": "contract.env",
+    "settings": "contract.settings",
+    "hookspecs": "plugin.hookspecs",
+    "manager": "plugin.manager",
+    "registry": "plugin.registry",
+    "data": "data.loader",
+    "batch": "data.batch",
+    "checkpoint": "checkpointing.checkpointer",
+    "checkpoint_cli": "checkpointing.cli",
+    "export": "checkpointing.export",
+    "manifest": "checkpointing.manifest",
+    "safe_io": "checkpointing.safe_io",
+    "storage": "checkpointing.storage",
+    "remote_storage": "checkpointing.remote_storage",
+    "lease": "checkpointing.lease",
+    "launch": "launch.torchrun",
+    "launch_report": "launch.report",
+    "lifecycle": "launch.lifecycle",
+    "watchdog": "launch.watchdog",
+    "worker": "launch.worker",
+    "cluster": "launch.cluster",
+    "setup_report": "launch.setup_report",
+    "config": "config.load",
+    "config_optim": "config.optim",
+    "config_schema": "config.schema",
+    "config_source": "config.source",
+    "config_trust": "config.trust",
+    "trainer": "training.trainer",
+    "runs": "training.runs",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves ``unison.<old>`` to the module now at ``unison.<new>`` (the same module object)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        prefix, _, old = fullname.partition(".")
+        if prefix != "unison" or old not in _MOVED:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: Any) -> Any:
+        new = f"unison.{_MOVED[spec.name.partition('.')[2]]}"
+        warnings.warn(
+            f"{spec.name} moved to {new}; import it from there (the old path is removed in unison 0.3)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return importlib.import_module(new)
+
+    def exec_module(self, module: Any) -> None:
+        """The module was executed under its new name already."""
+
+
+sys.meta_path.append(_MovedModuleFinder())
 
 
 def __getattr__(name: str) -> Any:

@@ -4,10 +4,10 @@
 * ``unison precisions`` – every registered precision plugin, available or not (with why).
 * ``unison describe NAME`` – the strategy's ownership declaration.
 * ``unison run --nproc N [TORCHRUN_OPTION=VALUE ...] script.py [ARGS]`` – torchrun (multi-node options
-  given or derived from SLURM / Kubernetes, see :mod:`unison.cluster`).
+  given or derived from SLURM / Kubernetes, see :mod:`unison.launch.cluster`).
 * ``unison train CONFIG [--set KEY=VALUE ...] [--strategy NAME] [--nproc N] [--resume auto|PATH]
   [--nnodes N --rdzv-endpoint ...]`` – train from a config file; ``--set`` overrides any key.
-* ``unison checkpoint inspect|verify|export PATH`` – see :mod:`unison.checkpoint_cli`.
+* ``unison checkpoint inspect|verify|export PATH`` – see :mod:`unison.checkpointing.cli`.
 
 Plugins add more commands through ``unison_add_cli_commands``
 (``unison conformance`` comes from the conformance suite that way).
@@ -26,9 +26,9 @@ from rich.table import Table
 
 # Only light modules here: torch and the plugins load when a command needs them
 # (``unison --help`` imports neither; see PluginManager(lazy=True)).
-from unison.checkpoint_cli import checkpoint as checkpoint_commands
+from unison.checkpointing.cli import checkpoint as checkpoint_commands
 from unison.errors import UnisonError
-from unison.manager import PluginManager
+from unison.plugin.manager import PluginManager
 
 console = Console()
 
@@ -150,7 +150,7 @@ def run(nproc: int | None, cluster: str | None, args: tuple[str, ...]) -> None:
         torchrun_args.append(rest.pop(0))
     if not rest:
         raise click.UsageError("no script given")
-    from unison.launch import run_script
+    from unison.launch.torchrun import run_script
 
     sys.exit(run_script(rest[0], nproc, rest[1:], torchrun_args, cluster))
 
@@ -203,7 +203,7 @@ def train(
     rdzv_id: str | None,
     cluster: str | None,
 ) -> None:
-    """Train from a TOML or YAML CONFIG (see unison.config for the layout).
+    """Train from a TOML or YAML CONFIG (see unison.config.load for the layout).
 
     With ``--nproc`` above 1, multi-node options, or under SLURM (srun) or a
     Kubernetes PyTorchJob, the config is checked here and then trained by
@@ -214,8 +214,8 @@ def train(
         raise click.UsageError("--max-restarts needs --resume auto")
     if "LOCAL_RANK" not in os.environ:  # at once, before torch loads (seconds); workers stay quiet
         console.print(f"unison train {escape(config)}: loading torch, checking the config", highlight=False)
-    from unison.config import load_config, resolve_run
-    from unison.trainer import build_strategy
+    from unison.config.load import load_config, resolve_run
+    from unison.training.trainer import build_strategy
 
     overrides: dict[str, Any] = {}
     if strategy is not None:
@@ -234,7 +234,7 @@ def train(
     if "LOCAL_RANK" in os.environ:  # a worker torchrun started: train
         _train_here(config, overrides, sets, resume)
         return
-    from unison.launch import cluster_launch, run_script
+    from unison.launch.torchrun import cluster_launch, run_script
 
     pm = PluginManager(lazy=True)
     nproc, node_args, launch = cluster_launch(nproc or run_config.trainer.nproc, node_args, cluster, pm)
@@ -246,7 +246,7 @@ def train(
         resolve_run(run_config, base)  # every factory, file and keyword
         _config_plugins(run_config, base, pm)  # loggers and callbacks: constructing them checks their options
         if not multi_node:  # (nodes each launch: there rank 0 chooses the run directory for all)
-            from unison.runs import choose_for_workers
+            from unison.training.runs import choose_for_workers
 
             choose_for_workers(run_config.trainer, resume)  # refusals once, here; one version_N for every rank
         # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
@@ -267,8 +267,8 @@ def train(
 def _train_here(
     config_path: str, overrides: dict[str, Any], sets: tuple[str, ...] = (), resume: str | None = None
 ) -> None:
-    from unison.config import load_config, resolve_run
-    from unison.trainer import Trainer
+    from unison.config.load import load_config, resolve_run
+    from unison.training.trainer import Trainer
 
     config, base = load_config(config_path, overrides, sets)
     run = resolve_run(config, base)
@@ -301,7 +301,7 @@ def _train_here(
 
 def _config_plugins(config: Any, base: Any, pm: PluginManager) -> list[Any]:
     """Plugins a config asks for: ``[logging]`` etc. through ``unison_plugins_from_config``, then ``[[callbacks]]``."""
-    from unison.config import build_callbacks
+    from unison.config.load import build_callbacks
 
     return pm.unison_plugins_from_config(config=config) + build_callbacks(config, base)
 
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(130 if isinstance(exc.__cause__, KeyboardInterrupt) else 1)
     except UnisonError as exc:
         if "LOCAL_RANK" in os.environ:  # a worker: recorded for the launcher's one report (or printed once)
-            from unison.lifecycle import report_worker_failure
+            from unison.launch.lifecycle import report_worker_failure
 
             sys.exit(report_worker_failure(exc))
         # An error in this process itself (before any worker, or a run trained here): printed once, and

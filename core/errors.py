@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 #: Exit codes of a unison worker and of ``unison run`` / ``unison train`` (the launcher exits with the
 #: code of the first real failure). ``PREEMPTED_EXIT_CODE`` (75, a stop after a checkpoint) lives in
-#: :mod:`unison.lifecycle`; an interrupt is 130 (128 + SIGINT).
+#: :mod:`unison.launch.lifecycle`; an interrupt is 130 (128 + SIGINT).
 EXIT_FAILED = 1  # an exception
 EXIT_CONFIGURATION = 2  # a ConfigurationError: bad input, named with its fix
 EXIT_STALLED = 3  # the watchdog found a rank that stopped making progress
@@ -42,7 +42,7 @@ class ConfigurationError(UnisonError, ValueError):
 class DeclaredRefusal(ConfigurationError):
     """A run asks for something the strategy's declaration says it refuses.
 
-    ``feature`` names it: a :class:`~unison.ownership.Feature` value,
+    ``feature`` names it: a :class:`~unison.contract.ownership.Feature` value,
     ``"precision:NAME"`` or ``"world_size"``. The conformance suite counts
     only these (and refusals of declared-refused features) as "declared out".
     """

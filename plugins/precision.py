@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from unison.contract.precision import Precision, cast_floating
 from unison.plugin import hookimpl
-from unison.precision import Precision, cast_floating
-from unison.registry import PrecisionSpec
+from unison.plugin.registry import PrecisionSpec
 
 
 class AutocastPrecision(Precision):

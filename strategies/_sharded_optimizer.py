@@ -55,10 +55,16 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from unison.contract.ownership import (
+    AccumulationOwner,
+    GradAccumulation,
+    Ownership,
+    StateDictDeclaration,
+    StateDictKind,
+)
+from unison.contract.strategy import OptimizerFactory
 from unison.errors import ConfigurationError
-from unison.ownership import AccumulationOwner, GradAccumulation, Ownership, StateDictDeclaration, StateDictKind
 from unison.strategies._torch import TRAINER_PRECISION, ReplicatedStrategy
-from unison.strategy import OptimizerFactory
 
 #: The checkpoint format shared with ``ddp`` and ``single``.
 CONSOLIDATED_DCP_STATE = StateDictDeclaration(
@@ -184,7 +190,7 @@ def _zero_redundancy_optimizer() -> type[torch.optim.Optimizer]:
     ``group=dist.group.WORLD`` as a default argument when it is first imported, so an
     import after init_process_group pins that group for the life of the process and its
     gloo threads outlive destroy_process_group (see
-    unison.lifecycle.drain_collective_threads for what that costs at exit).
+    unison.launch.lifecycle.drain_collective_threads for what that costs at exit).
     :class:`TorchZeroStrategy` therefore imports it when it is constructed, which the
     trainer does before it starts the process group.
     """

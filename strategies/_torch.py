@@ -6,9 +6,15 @@ from pathlib import Path
 
 import torch
 
-from unison.ownership import STANDARD_PRECISIONS, PrecisionOwner, PrecisionSupport, StateDictDeclaration, StateDictKind
-from unison.state import canonical, dcp_load, dcp_save
-from unison.strategy import Strategy
+from unison.contract.ownership import (
+    STANDARD_PRECISIONS,
+    PrecisionOwner,
+    PrecisionSupport,
+    StateDictDeclaration,
+    StateDictKind,
+)
+from unison.contract.state import canonical, dcp_load, dcp_save
+from unison.contract.strategy import Strategy
 
 TRAINER_PRECISION = {
     "32-true": PrecisionSupport(PrecisionOwner.TRAINER, "fp32 parameters and compute"),

@@ -82,8 +82,7 @@ from typing import Any
 import pydantic
 import torch
 
-from unison.errors import ConfigurationError
-from unison.ownership import (
+from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
     GradAccumulation,
@@ -96,13 +95,14 @@ from unison.ownership import (
     StateDictKind,
     WorldSizes,
 )
+from unison.contract.settings import TrainerSettings
+from unison.contract.state import canonical
+from unison.contract.strategy import OptimizerFactory, Strategy
+from unison.errors import ConfigurationError
 from unison.plugin import hookimpl
-from unison.registry import StrategySpec
-from unison.settings import TrainerSettings
-from unison.state import canonical
+from unison.plugin.registry import StrategySpec
 from unison.strategies._upstream.apex import release_grad_accumulators
 from unison.strategies._upstream.torch import copy_step_hooks
-from unison.strategy import OptimizerFactory, Strategy
 
 #: The apex commit whose source this module was written against.
 APEX_COMMIT = "6424da3b4faa6c8f062da4a48c424fff3f02d42d"

@@ -9,11 +9,11 @@ import pydantic
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from unison.ownership import AccumulationOwner, GradAccumulation, Ownership, ReplicaInit
+from unison.contract.ownership import AccumulationOwner, GradAccumulation, Ownership, ReplicaInit
+from unison.contract.strategy import OptimizerFactory
 from unison.plugin import hookimpl
-from unison.registry import StrategySpec
+from unison.plugin.registry import StrategySpec
 from unison.strategies._torch import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
-from unison.strategy import OptimizerFactory
 
 
 class DDPOptions(pydantic.BaseModel):

@@ -45,9 +45,8 @@ from typing import Any
 import pydantic
 import torch
 
-from unison.env import resolve_accelerator
-from unison.errors import ConfigurationError
-from unison.ownership import (
+from unison.contract.env import resolve_accelerator
+from unison.contract.ownership import (
     AccumulationOwner,
     GradAccumulation,
     Ownership,
@@ -56,14 +55,15 @@ from unison.ownership import (
     StateDictDeclaration,
     StateDictKind,
 )
+from unison.contract.state import canonical
+from unison.contract.strategy import OptimizerFactory, Strategy
+from unison.errors import ConfigurationError
 from unison.plugin import hookimpl
-from unison.registry import StrategySpec, missing_modules
-from unison.state import canonical
+from unison.plugin.registry import StrategySpec, missing_modules
 from unison.strategies._sharded_optimizer import CONSOLIDATED_DCP_STATE, OptimizerRecipe, TorchZeroStrategy
 from unison.strategies._torch import TRAINER_PRECISION
 from unison.strategies._upstream.fairscale import remove_grad_hooks
 from unison.strategies._upstream.torch import FlagReducingGradScaler
-from unison.strategy import OptimizerFactory, Strategy
 
 # --------------------------------------------------------------------------- #
 # fairscale_oss: OSS + torch DDP

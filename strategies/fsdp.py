@@ -39,7 +39,7 @@ Decisions shared by both:
 * **bf16-true belongs to the trainer**: the module is cast to bf16 before it is
   sharded, so shards, gradients (reduced in bf16) and optimizer state are bf16.
 * **State**: sharded DCP checkpoints through ``torch.distributed.checkpoint``
-  (:func:`unison.state.dcp_save`): the state-dict API hands DCP each rank's
+  (:func:`unison.contract.state.dcp_save`): the state-dict API hands DCP each rank's
   DTensor shards, each rank writes its own, keys are the module's own names,
   and DCP reshards on load, so a checkpoint written at world size 2 loads at
   1, into ``single`` or ``ddp``, and theirs into ``fsdp``.
@@ -58,9 +58,8 @@ from typing import Any
 import pydantic
 import torch
 
-from unison.env import resolve_accelerator
-from unison.errors import ConfigurationError
-from unison.ownership import (
+from unison.contract.env import resolve_accelerator
+from unison.contract.ownership import (
     AccumulationOwner,
     GradAccumulation,
     Ownership,
@@ -69,10 +68,11 @@ from unison.ownership import (
     StateDictDeclaration,
     StateDictKind,
 )
+from unison.contract.state import canonical, dcp_load, dcp_save
+from unison.contract.strategy import OptimizerFactory, Strategy
+from unison.errors import ConfigurationError
 from unison.plugin import hookimpl
-from unison.registry import StrategySpec
-from unison.state import canonical, dcp_load, dcp_save
-from unison.strategy import OptimizerFactory, Strategy
+from unison.plugin.registry import StrategySpec
 
 
 class FSDPOptions(pydantic.BaseModel):

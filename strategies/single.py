@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
+from unison.contract.ownership import AccumulationOwner, GradAccumulation, Ownership
+from unison.contract.strategy import OptimizerFactory
 from unison.errors import ConfigurationError
-from unison.ownership import AccumulationOwner, GradAccumulation, Ownership
 from unison.plugin import hookimpl
-from unison.registry import StrategySpec
+from unison.plugin.registry import StrategySpec
 from unison.strategies._torch import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
-from unison.strategy import OptimizerFactory
 
 
 class SingleStrategy(ReplicatedStrategy):

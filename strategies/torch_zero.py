@@ -7,7 +7,7 @@ the fairscale OSS strategies; this module only registers it.
 from __future__ import annotations
 
 from unison.plugin import hookimpl
-from unison.registry import StrategySpec
+from unison.plugin.registry import StrategySpec
 from unison.strategies._sharded_optimizer import TorchZeroStrategy
 
 

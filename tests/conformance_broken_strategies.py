@@ -32,8 +32,8 @@ from unison import (
     StateDictKind,
     StrategySpec,
 )
-from unison.state import canonical, dcp_load, dcp_save
-from unison.strategy import model_features
+from unison.contract.state import canonical, dcp_load, dcp_save
+from unison.contract.strategy import model_features
 
 _PRECISION = {
     "32-true": PrecisionSupport(PrecisionOwner.TRAINER, "fp32"),

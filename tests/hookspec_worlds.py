@@ -2,7 +2,7 @@
 
 Registered by name through ``UNISON_PLUGINS=hookspec_worlds``, so every
 PluginManager a run creates (the CLI makes several) loads it. Its functions are
-generated from :mod:`unison.hookspecs` with the specs' own argument names, so a
+generated from :mod:`unison.plugin.hookspecs` with the specs' own argument names, so a
 new hookspec is covered without editing this file.
 """
 
@@ -12,7 +12,7 @@ import collections
 import inspect
 
 import unison
-from unison import hookspecs
+from unison.plugin import hookspecs
 
 #: hook name -> number of calls
 CALLS: collections.Counter[str] = collections.Counter()

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-from unison.remote_storage import FsspecStorage
+from unison.checkpointing.remote_storage import FsspecStorage
 
 from helpers import train
 

@@ -19,11 +19,11 @@ import torch
 from apex_standin import modules as standin_modules
 
 import unison
-from unison.config import ClassConfig, optimizer_factory
+from unison.config.load import ClassConfig, optimizer_factory
+from unison.contract.ownership import AccumulationOwner, GradSync, PrecisionOwner, PrecisionSupport, ReplicaInit
+from unison.contract.settings import TrainerSettings
 from unison.errors import ConfigurationError, DeclaredRefusal, StrategyUnavailableError
-from unison.ownership import AccumulationOwner, GradSync, PrecisionOwner, PrecisionSupport, ReplicaInit
-from unison.registry import PrecisionSpec
-from unison.settings import TrainerSettings
+from unison.plugin.registry import PrecisionSpec
 from unison.strategies.apex import (
     CUDA_ONLY,
     NOT_INSTALLED,
@@ -31,7 +31,7 @@ from unison.strategies.apex import (
     adam_hyperparameters,
     distributed_fused_adam_unavailable,
 )
-from unison.trainer import build_strategy
+from unison.training.trainer import build_strategy
 
 from helpers import max_abs_diff, mlp, regression_data
 
@@ -102,7 +102,7 @@ def test_declaration():
         assert own.precision[name].owner is PrecisionOwner.TRAINER
     assert not own.precision["bf16-true"].supported and "bf16-mixed" in own.precision["bf16-true"].detail
     assert "unscale_grads" in own.precision["16-mixed"].detail
-    assert isinstance(DistributedFusedAdamStrategy(), unison.strategy.DeferredGradSync)
+    assert isinstance(DistributedFusedAdamStrategy(), unison.contract.strategy.DeferredGradSync)
 
 
 def test_bf16_true_is_refused_before_any_process_group():

@@ -21,7 +21,7 @@ import pytest
 from apex_standin import modules as standin_modules
 from apex_standin.worlds import STANDIN, TiedMLP, overflow_data, run, standin_world
 
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 
 from helpers import max_abs_diff
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import unison
-from unison.config import load_config
-from unison.ownership import PrecisionSupport
-from unison.registry import StrategySpec
+from unison.config.load import load_config
+from unison.contract.ownership import PrecisionSupport
+from unison.plugin.registry import StrategySpec
 from unison.strategies.single import SingleStrategy
 
 from helpers import mlp, regression_data

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import unison
-from unison.config import build_callbacks, load_config
+from unison.config.load import build_callbacks, load_config
 from unison.plugins.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint, Profiler, Throughput
 
 from helpers import mlp, regression_data

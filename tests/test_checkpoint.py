@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import unison
-from unison.checkpoint import Checkpointer
+from unison.checkpointing.checkpointer import Checkpointer
 
 from helpers import max_abs_diff, mlp, regression_data, train
 

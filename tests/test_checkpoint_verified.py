@@ -22,12 +22,12 @@ import pytest
 import torch
 
 import unison
-from unison.checkpoint import Checkpointer, CheckpointWarning
-from unison.lifecycle import PREEMPTED_EXIT_CODE, Preempted
-from unison.manifest import CheckpointError, CorruptCheckpointError, Manifest, verify
-from unison.safe_io import UnsafeStateError, decode_rng, dumps, encode_rng, loads
-from unison.state import rng_state, set_rng_state
-from unison.storage import LocalStorage
+from unison.checkpointing.checkpointer import Checkpointer, CheckpointWarning
+from unison.checkpointing.manifest import CheckpointError, CorruptCheckpointError, Manifest, verify
+from unison.checkpointing.safe_io import UnsafeStateError, decode_rng, dumps, encode_rng, loads
+from unison.checkpointing.storage import LocalStorage
+from unison.contract.state import rng_state, set_rng_state
+from unison.launch.lifecycle import PREEMPTED_EXIT_CODE, Preempted
 
 from helpers import max_abs_diff, mlp, regression_data, train
 

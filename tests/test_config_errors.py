@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import unison
-from unison.config import ConfigErrors, load_config
+from unison.config.load import ConfigErrors, load_config
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,7 @@ import torch
 
 import unison
 from unison.cli import main
-from unison.config import build_callbacks, load_config, resolve_run
+from unison.config.load import build_callbacks, load_config, resolve_run
 
 pytestmark = pytest.mark.timeout(120)
 

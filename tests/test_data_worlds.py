@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 
 from data_worlds import EPOCHS, RESUME_AT, data_runs, rank0_init_reference, world_runs
 from helpers import max_abs_diff

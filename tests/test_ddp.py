@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 
 from ddp_worlds import ddp_scenarios, overflow_data
 from helpers import max_abs_diff, regression_data, train

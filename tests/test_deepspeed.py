@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import unison
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 from unison.strategies.deepspeed import BF16_TOLERANCE
 
 from deepspeed_worlds import MEMORY_WIDTH, deepspeed_scenarios  # sets DS_ACCELERATOR=cpu first

@@ -12,7 +12,7 @@ import torch
 
 import unison
 from unison.plugins.loggers import read_csv, read_jsonl
-from unison.runs import DEFAULT_ROOT_ENV, run_name
+from unison.training.runs import DEFAULT_ROOT_ENV, run_name
 
 from helpers import mlp, regression_data
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unison.export import canonical_state
+from unison.checkpointing.export import canonical_state
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
 import unison
-from unison.checkpoint import Checkpointer
+from unison.checkpointing.checkpointer import Checkpointer
 
 from helpers import mlp, regression_data
 
@@ -263,7 +263,7 @@ def test_property_invalid_settings_are_refused_before_any_process_group(valid, b
 
 
 def test_property_invalid_config_files_are_refused(tmp_path):
-    from unison.config import load_config
+    from unison.config.load import load_config
 
     root = Path(__file__).resolve().parents[1] / "examples" / "tinylm.toml"
     text = root.read_text()
@@ -288,7 +288,7 @@ def test_every_strategy_that_runs_on_one_process_runs_without_a_launcher(tmp_pat
     script = tmp_path / "one_process.py"
     script.write_text(
         "import os, torch, unison\n"
-        "from unison.manager import PluginManager\n"
+        "from unison.plugin.manager import PluginManager\n"
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "from helpers import mlp, regression_data\n"
         "pm = PluginManager()\n"

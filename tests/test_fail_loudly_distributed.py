@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from test_fail_loudly import _all_finite
 
-from unison.checkpoint import Checkpointer
-from unison.launch import spawn
+from unison.checkpointing.checkpointer import Checkpointer
+from unison.launch.torchrun import spawn
 
 from fail_worlds import fail_world
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import unison
-from unison.launch import spawn
-from unison.ownership import PrecisionOwner, StateDictKind
+from unison.contract.ownership import PrecisionOwner, StateDictKind
+from unison.launch.torchrun import spawn
 
 from fsdp_worlds import TiedMLP, fsdp_scenarios, overflow_data
 from helpers import max_abs_diff, mlp, regression_data, train

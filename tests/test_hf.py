@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import unison
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 
 from helpers import max_abs_diff
 from hf_worlds import STEPS, example, hf_run, hf_world

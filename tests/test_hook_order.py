@@ -1,6 +1,6 @@
 """The documented hook order is the fired hook order.
 
-The order lives once, in the module docstring of :mod:`unison.hookspecs` (docs/hooks.md
+The order lives once, in the module docstring of :mod:`unison.plugin.hookspecs` (docs/hooks.md
 repeats it verbatim). These tests parse that block into a pattern over
 hook names and match real runs against it: a fresh run with validation, checkpoints,
 logging, an epoch boundary and a cut-short epoch; a resumed run; and runs stopped by
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import unison
-from unison import hookspecs
+from unison.plugin import hookspecs
 
 from helpers import mlp, regression_data
 
@@ -199,4 +199,4 @@ def test_every_lifecycle_hookspec_appears_in_the_documented_order():
     # unison_on_exception replaces the rest; unison_on_trainer_init runs in Trainer(...), before any fit
     # (both are described right after the block).
     missing = [n for n in specs if n not in block and n not in ("unison_on_exception", "unison_on_trainer_init")]
-    assert not missing, f"hooks missing from the documented order in unison.hookspecs: {missing}"
+    assert not missing, f"hooks missing from the documented order in unison.plugin.hookspecs: {missing}"

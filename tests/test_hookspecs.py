@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import unison
-from unison import hookspecs
 from unison.cli import main
+from unison.plugin import hookspecs
 
 import hookspec_worlds
 

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import unison
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 
 from helpers import mlp, regression_data
 

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from unison.checkpoint import Checkpointer
-from unison.manifest import verify
-from unison.storage import LocalStorage
+from unison.checkpointing.checkpointer import Checkpointer
+from unison.checkpointing.manifest import verify
+from unison.checkpointing.storage import LocalStorage
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "lifecycle_worlds.py")
@@ -234,7 +234,7 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_which_resumes(tmp_p
 @pytest.mark.timeout(120)
 def test_a_missing_rank_fails_the_start_within_the_rendezvous_timeout(tmp_path):
     """Rank 1 never comes: rank 0 must fail after UNISON_RENDEZVOUS_TIMEOUT, not after torch's 10 minutes."""
-    from unison.launch import free_port
+    from unison.launch.torchrun import free_port
 
     env = {
         **ENV,

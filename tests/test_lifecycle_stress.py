@@ -2,7 +2,7 @@
 
 Why this exists: finished runs used to end with ``terminate called without an active exception``
 (SIGABRT) in one rank now and then, under strategies whose process groups outlive
-``destroy_process_group`` (see ``unison.lifecycle.drain_collective_threads``). The two ranks are
+``destroy_process_group`` (see ``unison.launch.lifecycle.drain_collective_threads``). The two ranks are
 started as plain processes with torchrun's ``env://`` variables, so each rank's own exit code is
 observed. Costly by nature (55 process pairs); marked ``stress``.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import unison
-from unison.launch import free_port
+from unison.launch.torchrun import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "lifecycle_worlds.py")

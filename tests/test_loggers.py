@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import unison
-from unison.config import load_config
+from unison.config.load import load_config
 from unison.plugins.loggers import (
     CSVLogger,
     JSONLLogger,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 
 from observability_worlds import (  # sets DS_ACCELERATOR=cpu first
     BACKENDS,
@@ -137,7 +137,7 @@ def test_run_metadata_is_recorded_once_at_start(runs, client, strategy):
     mlflow_run = client.get_run(run["mlflow_run_id"])
     assert mlflow_run.data.params["trainer.strategy"] == strategy
     assert mlflow_run.data.params["trainer.max_steps"] == "16"
-    assert mlflow_run.data.tags["unison.strategy"] == strategy
+    assert mlflow_run.data.tags["unison.contract.strategy"] == strategy
     assert mlflow_run.data.tags["unison.version.torch"] == meta["versions"]["torch"]
     assert mlflow_run.info.status == "FINISHED"
     artifact = client.download_artifacts(run["mlflow_run_id"], "unison/run.json")

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 import unison
-from unison.cluster import ClusterEnvironment, NodeLaunch, expand_hostlist, node_launch
-from unison.manager import PluginManager
+from unison.launch.cluster import ClusterEnvironment, NodeLaunch, expand_hostlist, node_launch
+from unison.plugin.manager import PluginManager
 
 SRUN = {
     "SLURM_JOB_ID": "77",

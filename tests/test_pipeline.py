@@ -14,7 +14,7 @@ import torch
 
 import unison
 from unison.errors import ConfigurationError
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 from unison.strategies.pipeline import balance_by_parameters
 
 from helpers import max_abs_diff, mlp, regression_data, train
@@ -326,7 +326,7 @@ def test_balance_by_parameter_count():
 
 
 def test_deepspeed_pipeline_declares_fp32_only(world_of):
-    from unison.manager import PluginManager
+    from unison.plugin.manager import PluginManager
 
     own = PluginManager().strategies.create("deepspeed_pipeline").ownership
     assert own.precision_support("32-true").supported
@@ -343,7 +343,7 @@ def test_deepspeed_pipeline_declares_fp32_only(world_of):
 
 def test_declaration():
     # Building a strategy to read its declaration needs no world (what `unison describe` does).
-    from unison.manager import PluginManager
+    from unison.plugin.manager import PluginManager
 
     own = PluginManager().strategies.create("pipeline").ownership
     assert own.grad_accumulation.owner.value == "schedule"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import unison
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 
 from helpers import max_abs_diff, regression_data, train
 from split_points_worlds import Regressor, split_points_run

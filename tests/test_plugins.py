@@ -11,9 +11,9 @@ import pydantic
 import pytest
 
 import unison
-from unison import hookspecs
 from unison.errors import PluginError
-from unison.registry import StrategySpec
+from unison.plugin import hookspecs
+from unison.plugin.registry import StrategySpec
 
 
 def all_specs():

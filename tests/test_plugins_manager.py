@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import unison
-from unison import hookspecs
-from unison.config import load_config
+from unison.config.load import load_config
 from unison.errors import PluginError
-from unison.registry import StrategySpec
+from unison.plugin import hookspecs
+from unison.plugin.registry import StrategySpec
 from unison.strategies.single import SingleStrategy
 
 from helpers import mlp, regression_data
@@ -209,7 +209,7 @@ def test_the_facade_reaches_implementations():
 # --------------------------------------------------------------------------- #
 PLUGIN_MODULE = """
 import unison
-from unison.registry import PrecisionSpec, StrategySpec, missing_modules
+from unison.plugin.registry import PrecisionSpec, StrategySpec, missing_modules
 from unison.strategies.single import SingleStrategy
 
 @unison.hookimpl

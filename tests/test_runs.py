@@ -12,7 +12,7 @@ import torch
 
 import unison
 from unison.plugins.loggers import read_csv, read_jsonl
-from unison.runs import new_version
+from unison.training.runs import new_version
 
 from helpers import mlp, regression_data
 

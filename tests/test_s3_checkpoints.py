@@ -21,7 +21,7 @@ import torch
 
 import unison
 from unison.cli import main
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 
 from helpers import max_abs_diff, train
 from s3_worlds import SMALL, save_resume
@@ -297,8 +297,8 @@ def test_unison_train_on_two_nodes_checkpoints_to_the_bucket_and_resumes(s3, tmp
 @pytest.mark.timeout(60)
 def test_explicit_storage_options_without_any_aws_variable(s3, monkeypatch):
     """``open_storage(url, storage_options)`` is the whole configuration: no AWS_* variable is read."""
-    from unison.checkpoint import Checkpointer
-    from unison.storage import open_storage
+    from unison.checkpointing.checkpointer import Checkpointer
+    from unison.checkpointing.storage import open_storage
 
     for name in list(os.environ):
         if name.startswith("AWS_"):

@@ -60,7 +60,7 @@ def test_describing_or_listing_strategies_imports_no_checkpoint_dtensor_or_upstr
     modules = _imported_after(_main(*command))
     # every strategy module was imported (their declarations are listed or resolved) ...
     assert {"unison.strategies.fsdp", "unison.strategies.apex", "unison.strategies.torch_zero"} <= modules
-    assert "unison.strategies.pipeline.base" in modules and "unison.state" in modules
+    assert "unison.strategies.pipeline.base" in modules and "unison.contract.state" in modules
     # ... and none of them loaded what only a run needs
     assert not _HEAVY_ON_USE & modules, sorted(_HEAVY_ON_USE & modules)
 
@@ -70,7 +70,7 @@ def test_torch_zero_imports_its_sharding_optimizer_when_constructed_before_any_p
     # construction, which the trainer does before it starts the process group.
     modules = _imported_after(
         "import torch.distributed as dist\n"
-        "from unison.manager import PluginManager\n"
+        "from unison.plugin.manager import PluginManager\n"
         "spec, options = PluginManager(lazy=True).strategies.resolve('torch_zero')\n"
         "assert 'torch.distributed.optim' not in sys.modules\n"
         "spec.factory(**options.model_dump())\n"
@@ -91,7 +91,7 @@ def test_unison_names_still_resolve_lazily():
 def test_a_lazy_manager_imports_an_entry_point_only_for_a_hook_its_source_names():
     code = (
         "import sys\n"
-        "from unison.manager import PluginManager\n"
+        "from unison.plugin.manager import PluginManager\n"
         "pm = PluginManager(lazy=True)\n"
         "before = 'unison.strategies.ddp' in sys.modules\n"
         "names = pm.strategies.names()\n"

@@ -17,8 +17,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 import unison
-from unison.checkpoint import Checkpointer
-from unison.manifest import CheckpointError, verify
+from unison.checkpointing.checkpointer import Checkpointer
+from unison.checkpointing.manifest import CheckpointError, verify
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""One writer per checkpoint directory (unison.lease), on a local directory and on an s3:// prefix.
+"""One writer per checkpoint directory (unison.checkpointing.lease), on a local directory and on an s3:// prefix.
 
 Two ``unison train`` jobs started together on one directory: exactly one
 trains, the other exits 2 naming the owner, and every commit verifies. A
@@ -23,10 +23,10 @@ import storage_job
 import torch
 
 import unison
-from unison.checkpoint import Checkpointer
+from unison.checkpointing.checkpointer import Checkpointer
+from unison.checkpointing.lease import LEASE, Holder, Lease, LeaseWarning
+from unison.checkpointing.storage import open_storage
 from unison.cli import main
-from unison.lease import LEASE, Holder, Lease, LeaseWarning
-from unison.storage import open_storage
 
 HERE = Path(__file__).resolve().parent
 
@@ -190,6 +190,6 @@ def test_a_rank_late_to_the_lease_does_not_refuse_its_own_job(tmp_path):
     # The lease taken by rank 0 for this job is not "another job" to a slower rank: every rank finishes
     # its preflight read before rank 0 takes it, so both ranks train (before, rank 1 alone refused and the
     # ranks met in different collectives).
-    from unison.launch import spawn
+    from unison.launch.torchrun import spawn
 
     assert spawn(_fit_with_a_late_rank, 2, str(tmp_path / "ckpt"), timeout=120) == [2, 2]

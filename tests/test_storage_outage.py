@@ -22,8 +22,8 @@ import storage_job
 import torch
 
 import unison
-from unison.checkpoint import Checkpointer
-from unison.lease import LeaseWarning
+from unison.checkpointing.checkpointer import Checkpointer
+from unison.checkpointing.lease import LeaseWarning
 
 from helpers import max_abs_diff
 

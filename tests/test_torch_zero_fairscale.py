@@ -18,7 +18,7 @@ import torch
 
 import unison
 from unison.errors import ConfigurationError, StrategyUnavailableError
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 from unison.strategies._sharded_optimizer import OptimizerRecipe
 
 from helpers import max_abs_diff, regression_data, train
@@ -226,7 +226,7 @@ def test_fairscale_strategies_unavailable_when_fairscale_is_missing(monkeypatch)
     monkeypatch.setitem(sys.modules, "fairscale", None)
     specs = {s.name: s for s in unison.PluginManager().strategies.specs()}
     for name in ("fairscale_oss", "fairscale_sdp", "fairscale_fsdp"):
-        assert specs[name].unavailable == unison.registry.missing_modules("fairscale")
+        assert specs[name].unavailable == unison.plugin.registry.missing_modules("fairscale")
         assert "'fairscale' is not installed" in specs[name].unavailable
     with pytest.raises(StrategyUnavailableError, match="fairscale"):
         unison.Trainer(max_steps=1, strategy="fairscale_oss")

@@ -7,7 +7,7 @@ import inspect
 import pytest
 
 import unison
-from unison.settings import TrainerSettings
+from unison.contract.settings import TrainerSettings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import unison
-from unison.launch import spawn
+from unison.launch.torchrun import spawn
 from unison.strategies import _upstream
 from unison.strategies._upstream import deepspeed as ds_adapter
 from unison.strategies._upstream import fairscale as fairscale_adapter

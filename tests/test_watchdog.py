@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 import unison
-from unison.checkpoint import Checkpointer
+from unison.checkpointing.checkpointer import Checkpointer
 from unison.errors import EXIT_STALLED, ConfigurationError
-from unison.launch import free_port
-from unison.watchdog import StallDetector, Watchdog, heartbeat_interval
+from unison.launch.torchrun import free_port
+from unison.launch.watchdog import StallDetector, Watchdog, heartbeat_interval
 
 from helpers import mlp, regression_data
 

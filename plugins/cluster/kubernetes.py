@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from unison.cluster import ClusterEnvironment, NodeLaunch
 from unison.errors import ConfigurationError
+from unison.launch.cluster import ClusterEnvironment, NodeLaunch
 
 
 class KubernetesEnvironment(ClusterEnvironment):

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from unison.cluster import ClusterEnvironment, NodeLaunch, expand_hostlist
 from unison.errors import ConfigurationError
+from unison.launch.cluster import ClusterEnvironment, NodeLaunch, expand_hostlist
 
 #: Rendezvous ports: 20000 + job id modulo this range (away from torch's 29500 default).
 _PORT_BASE, _PORT_RANGE = 20000, 9000

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from unison.cluster import ClusterEnvironment, NodeLaunch
+from unison.launch.cluster import ClusterEnvironment, NodeLaunch
 
 
 class TorchrunEnvironment(ClusterEnvironment):

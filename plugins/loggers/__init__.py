@@ -19,7 +19,7 @@ trainer's ``root_dir``, they write into the trainer's own ``version_N`` (next
 to its checkpoints). A Trainer with no logger of its own gets JSONL and CSV
 metrics by default: in its ``root_dir/version_N``, or without a ``root_dir`` in
 a fresh ``runs/NAME/version_N`` under the working directory (``NAME``: the
-script's name; :func:`unison.runs.default_root`); ``Trainer(loggers=False)``
+script's name; :func:`unison.training.runs.default_root`); ``Trainer(loggers=False)``
 turns them off. Each fit prints its run directory once when it opens it
 (global rank 0, stderr; not with ``progress="off"``). Global rank 0
 writes (every rank receives the same, already reduced, metrics), at the
@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from unison.plugin import hookimpl
-from unison.runs import default_root
+from unison.training.runs import default_root
 
 from ._base import RunLogger
 from ._run import RunDirectory, new_version, run_metadata
@@ -92,7 +92,7 @@ def unison_plugins_from_config(config: Any) -> list[Any]:
 @hookimpl
 def unison_default_plugins(settings: Any, plugins: list[Any]) -> list[Any]:
     """JSONL and CSV metrics for a Trainer with no logger of its own: into its ``root_dir/version_N``, or
-    without a ``root_dir`` into a fresh ``runs/NAME/version_N`` (:func:`unison.runs.default_root`).
+    without a ``root_dir`` into a fresh ``runs/NAME/version_N`` (:func:`unison.training.runs.default_root`).
     ``Trainer(loggers=False)`` drops them."""
     if any(isinstance(p, RunLogger) for p in plugins):
         return []

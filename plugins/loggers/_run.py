@@ -7,7 +7,7 @@ the highest existing version, and the directory is created with a plain
 under the same root get different versions instead of sharing one.
 
 When ROOT is the trainer's ``root_dir``, the loggers write into the
-trainer's own ``version_N`` instead (:mod:`unison.runs` chose it, next to the
+trainer's own ``version_N`` instead (:mod:`unison.training.runs` chose it, next to the
 run's checkpoints); a run that resumes it continues its files after the
 resumed step (:attr:`RunDirectory.resume_step`) and ``run.json`` keeps its
 first start and lists every resume.
@@ -51,9 +51,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from unison.checkpointing.storage import LocalStorage, open_storage, split_url
 from unison.errors import ConfigurationError
-from unison.runs import DEFAULT_ROOT_ENV, new_version
-from unison.storage import LocalStorage, open_storage, split_url
+from unison.training.runs import DEFAULT_ROOT_ENV, new_version
 
 RUN_FILE = "run.json"
 #: Distributions whose versions are recorded when installed (read from metadata, never imported).

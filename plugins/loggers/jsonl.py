@@ -4,7 +4,7 @@ Each line is ``{"step": N, "time": unix_seconds, **metrics}``; the metrics of
 one step may span several lines (training metrics, then validation). Floats
 are written with ``repr`` precision, so values read back are exactly the
 trainer's. Read a file back with :func:`read_jsonl`. A run that resumes its own
-version (``root_dir``, see :mod:`unison.runs`) keeps the lines up to the
+version (``root_dir``, see :mod:`unison.training.runs`) keeps the lines up to the
 step it resumed from and appends: one series, no step twice.
 """
 

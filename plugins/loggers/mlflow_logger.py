@@ -2,7 +2,7 @@
 
 Metrics go with ``log_batch`` at the trainer's step. At the start of a fit the
 resolved config is logged as parameters (flattened, ``trainer.max_steps``),
-the strategy and versions as tags (``unison.strategy``,
+the strategy and versions as tags (``unison.contract.strategy``,
 ``unison.version.torch``), and the whole metadata (config, strategy
 declaration, versions) as the artifact ``unison/run.json``. The run ends
 ``FINISHED``, or ``FAILED`` when fit raised. Needs
@@ -69,7 +69,7 @@ class MLflowLogger(RunLogger):
             experiment_id = client.create_experiment(self.experiment)
         name = self.run_name or (self.run.name if self.run is not None else None)
         tags = {
-            "unison.strategy": metadata["strategy"]["name"],
+            "unison.contract.strategy": metadata["strategy"]["name"],
             "unison.world_size": str(metadata["world_size"]),
             **{f"unison.version.{k}": v for k, v in metadata["versions"].items()},
             **self.tags,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from unison.plugin import hookimpl
-from unison.registry import StrategySpec, missing_modules
+from unison.plugin.registry import StrategySpec, missing_modules
 from unison.strategies.deepspeed.config import DeepSpeedOptions
 from unison.strategies.deepspeed.engine import BF16_TOLERANCE, DeepSpeedStrategy
 

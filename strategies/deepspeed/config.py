@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 import pydantic
 
+from unison.contract.settings import TrainerSettings
 from unison.errors import ConfigurationError
-from unison.settings import TrainerSettings
 
 #: Why 16-mixed is refused on CPU, in DeepSpeed's own words.
 FP16_ON_CPU = (

@@ -45,9 +45,8 @@ from typing import Any
 
 import torch
 
-from unison.env import resolve_accelerator
-from unison.errors import ConfigurationError
-from unison.ownership import (
+from unison.contract.env import resolve_accelerator
+from unison.contract.ownership import (
     AccumulationOwner,
     GradAccumulation,
     Ownership,
@@ -56,12 +55,13 @@ from unison.ownership import (
     StateDictDeclaration,
     StateDictKind,
 )
-from unison.precision import cast_floating
-from unison.settings import TrainerSettings
+from unison.contract.precision import cast_floating
+from unison.contract.settings import TrainerSettings
+from unison.contract.strategy import OptimizerFactory, Strategy, dcp_load, dcp_save
+from unison.errors import ConfigurationError
 from unison.strategies._upstream import deepspeed as ds
 from unison.strategies.deepspeed.config import FP16_ON_CPU, DeepSpeedOptions, build_config, check_options
 from unison.strategies.deepspeed.conversion import ZeroCanonicalState, meta_skeleton
-from unison.strategy import OptimizerFactory, Strategy, dcp_load, dcp_save
 
 #: The tag every checkpoint is written under: unison's own checkpointer names
 #: and commits the step directory, so DeepSpeed's ``latest`` pointer is unused.

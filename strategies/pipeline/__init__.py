@@ -16,7 +16,7 @@ One plugin (entry point ``pipeline``), split by concern:
 from __future__ import annotations
 
 from unison.plugin import hookimpl
-from unison.registry import StrategySpec, missing_modules
+from unison.plugin.registry import StrategySpec, missing_modules
 from unison.strategies.pipeline.deepspeed_pipeline import DeepSpeedPipelineOptions, DeepSpeedPipelineStrategy
 from unison.strategies.pipeline.layout import (
     SCHEDULES,

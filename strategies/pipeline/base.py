@@ -31,11 +31,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unison.env import DistEnv
-from unison.ownership import Feature, StateDictDeclaration, StateDictKind, WorldSizes
+from unison.contract.env import DistEnv
+from unison.contract.ownership import Feature, StateDictDeclaration, StateDictKind, WorldSizes
+from unison.contract.strategy import LossFn, Strategy, canonical
 from unison.strategies.pipeline.layout import ChunkLayout
 from unison.strategies.pipeline.p2p import as_tensor, recv_tensor, send_tensor
-from unison.strategy import LossFn, Strategy, canonical
 
 PIPELINE_STATE = StateDictDeclaration(
     kind=StateDictKind.SHARDED,

@@ -31,8 +31,7 @@ import pydantic
 import torch
 import torch.distributed as dist
 
-from unison.errors import ConfigurationError
-from unison.ownership import (
+from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
     GradAccumulation,
@@ -40,7 +39,9 @@ from unison.ownership import (
     PrecisionOwner,
     PrecisionSupport,
 )
-from unison.precision import Precision
+from unison.contract.precision import Precision
+from unison.contract.strategy import LossFn, OptimizerFactory
+from unison.errors import ConfigurationError
 from unison.strategies._upstream.deepspeed import (
     forget_process_groups,
     import_deepspeed,
@@ -49,7 +50,6 @@ from unison.strategies._upstream.deepspeed import (
 from unison.strategies.pipeline.base import PIPELINE_REFUSALS, PIPELINE_STATE, StagedStrategy, pipeline_world_sizes
 from unison.strategies.pipeline.layout import ChunkLayout, check_model
 from unison.strategies.pipeline.p2p import as_tensor
-from unison.strategy import LossFn, OptimizerFactory
 
 
 class DeepSpeedPipelineOptions(pydantic.BaseModel):

@@ -57,10 +57,11 @@ import pydantic
 import torch
 import torch.distributed as dist
 
-from unison.env import DistEnv
+from unison.contract.env import DistEnv
+from unison.contract.ownership import AccumulationOwner, GradAccumulation, Ownership, PrecisionOwner, PrecisionSupport
+from unison.contract.precision import Precision
+from unison.contract.strategy import LossFn, OptimizerFactory
 from unison.errors import ConfigurationError
-from unison.ownership import AccumulationOwner, GradAccumulation, Ownership, PrecisionOwner, PrecisionSupport
-from unison.precision import Precision
 from unison.strategies._upstream.torch import (
     FlagReducingGradScaler,
     buffer_keeping_pipeline_stage,
@@ -77,7 +78,6 @@ from unison.strategies.pipeline.layout import (
     split_sequential,
 )
 from unison.strategies.pipeline.p2p import as_tensor
-from unison.strategy import LossFn, OptimizerFactory
 
 
 class PipelineOptions(pydantic.BaseModel):

@@ -17,7 +17,7 @@ import pydantic
 
 import apex_standin
 from unison.plugin import hookimpl
-from unison.registry import StrategySpec
+from unison.plugin.registry import StrategySpec
 from unison.strategies.apex import DistributedFusedAdamOptions, DistributedFusedAdamStrategy
 
 STANDIN = "apex_distributed_fused_adam_standin"

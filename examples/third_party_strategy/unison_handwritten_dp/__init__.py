@@ -29,7 +29,7 @@ from unison import (
     StateDictKind,
     StrategySpec,
 )
-from unison.state import canonical, dcp_load, dcp_save
+from unison.contract.state import canonical, dcp_load, dcp_save
 
 _PRECISION = {
     "32-true": PrecisionSupport(PrecisionOwner.TRAINER, "fp32 parameters, gradients all-reduced in fp32"),

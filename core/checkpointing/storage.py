@@ -1,0 +1,262 @@
+"""The file operations of the checkpointer, behind one small seam.
+
+:class:`LocalStorage` is every read, write, listing, rename and delete the
+checkpointer does, on a POSIX file system. An object-storage backend
+(:class:`unison.checkpointing.remote_storage.FsspecStorage`, S3 through s3fs) replaces this
+class and keeps the checkpointer's rules: the rules only ever call these
+methods, so they never learn where the bytes live.
+
+Strategies write their own state files into a *local* directory and read them
+back from one (DCP's and DeepSpeed's writers want a file system). Two methods
+bridge that: :meth:`LocalStorage.staged` hands each rank a local directory to
+write into (a remote backend uploads what the rank wrote when it is done), and
+:meth:`LocalStorage.localize` gives the local directory of a committed
+checkpoint (a remote backend downloads it). On a local file system both are
+the path itself.
+
+:func:`open_storage` turns a location (a path, ``file://`` or ``s3://`` URL)
+into its root path and storage; any other scheme, or ``s3://`` without s3fs,
+is a :class:`~unison.errors.ConfigurationError` before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from unison.errors import ConfigurationError, UnisonError
+
+
+class StorageUnavailableError(UnisonError):
+    """Object storage did not answer within unison's retry budget; the message names the object and endpoint."""
+
+
+#: Bytes read at a time while hashing: large enough to keep sha256 busy.
+_CHUNK = 1 << 20
+
+
+class LocalStorage:
+    """A checkpoint root on a local or shared POSIX file system."""
+
+    # -- queries ------------------------------------------------------------ #
+    def exists(self, path: Path) -> bool:
+        return path.exists()
+
+    def is_dir(self, path: Path) -> bool:
+        return path.is_dir()
+
+    def list_dir(self, path: Path) -> list[str]:
+        """Names directly under ``path`` (sorted); empty when it does not exist."""
+        try:
+            return sorted(os.listdir(path))
+        except FileNotFoundError:
+            return []
+
+    def list_files(self, path: Path) -> list[str]:
+        """Every file under ``path``, recursively, as sorted POSIX paths relative to it."""
+        out = []
+        for dirpath, _, filenames in os.walk(path):
+            for name in filenames:
+                out.append((Path(dirpath) / name).relative_to(path).as_posix())
+        return sorted(out)
+
+    def size(self, path: Path) -> int:
+        return path.stat().st_size
+
+    def digest(self, path: Path, *, sync: bool = False) -> tuple[int, str]:
+        """``(size, sha256 hex)`` of one file; with ``sync`` also flush it to stable storage.
+
+        Hashing reads every byte anyway; syncing the same descriptor then makes
+        the file durable before the manifest that vouches for it is written.
+        """
+        h = hashlib.sha256()
+        size = 0
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                size += len(chunk)
+            if sync:
+                os.fsync(f.fileno())
+        return size, h.hexdigest()
+
+    def open_read(self, path: Path) -> BinaryIO:
+        return open(path, "rb")
+
+    def read_text(self, path: Path) -> str:
+        return path.read_text()
+
+    def read_bytes(self, path: Path) -> bytes:
+        return path.read_bytes()
+
+    # -- writes ------------------------------------------------------------- #
+    def make_dir(self, path: Path) -> None:
+        path.mkdir(parents=True, exist_ok=True)
+
+    def write_bytes(self, path: Path, data: bytes, *, sync: bool = True) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+
+    def write_text(self, path: Path, text: str, *, sync: bool = True) -> None:
+        self.write_bytes(path, text.encode(), sync=sync)
+
+    def replace_file(self, path: Path, text: str) -> None:
+        """Write ``text`` to ``path`` atomically: readers see the old or the new content, never a mix."""
+        tmp = path.with_name(f".{path.name}.tmp")
+        self.write_text(tmp, text)
+        os.replace(tmp, path)
+        self._sync_dir(path.parent)
+
+    def commit_dir(self, src: Path, dst: Path) -> None:
+        """Publish the finished directory ``src`` as ``dst`` in one atomic step (``dst`` must not exist)."""
+        if dst.exists():
+            raise FileExistsError(f"refusing to commit over {dst}")
+        os.rename(src, dst)
+        self._sync_dir(dst.parent)
+
+    def interrupted_commits(self, root: Path) -> list[str]:
+        """Names under ``root`` left by a commit that never finished (here none: a commit is one rename)."""
+        return []
+
+    def remove_file(self, path: Path) -> None:
+        """Delete one file (missing is fine)."""
+        path.unlink(missing_ok=True)
+
+    def remove_tree(self, path: Path) -> None:
+        """Delete a directory and everything under it (missing is fine)."""
+        shutil.rmtree(path, ignore_errors=True)
+
+    # -- conditional writes (the lease, :mod:`unison.checkpointing.lease`) ----------------- #
+    # A version is an opaque token for one content of a file: here its sha256;
+    # object storage uses the ETag. Each read-compare-write runs under flock on
+    # a sibling guard file, so two processes never both win.
+    def read_versioned(self, path: Path) -> tuple[bytes, str] | None:
+        """``(content, version)`` of a small file, ``None`` when it does not exist."""
+        with self._guard(path):
+            return self._read_versioned(path)
+
+    def write_if(self, path: Path, data: bytes, version: str | None) -> str | None:
+        """Write ``data`` if the file is at ``version`` (``None``: does not exist); its new version, or ``None``."""
+        with self._guard(path):
+            current = self._read_versioned(path)
+            if (current[1] if current else None) != version:
+                return None
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            try:
+                self.write_bytes(tmp, data)
+                os.replace(tmp, path)
+            finally:
+                tmp.unlink(missing_ok=True)
+            self._sync_dir(path.parent)
+            return hashlib.sha256(data).hexdigest()
+
+    def delete_if(self, path: Path, version: str) -> bool:
+        """Delete the file if it is at ``version``; whether it was deleted."""
+        with self._guard(path):
+            current = self._read_versioned(path)
+            if current is None or current[1] != version:
+                return False
+            path.unlink()
+            return True
+
+    def _read_versioned(self, path: Path) -> tuple[bytes, str] | None:
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        return data, hashlib.sha256(data).hexdigest()
+
+    @contextlib.contextmanager
+    def _guard(self, path: Path) -> Iterator[None]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path.with_name(path.name + ".guard"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    # -- the strategies' local directories ---------------------------------- #
+    @contextlib.contextmanager
+    def staged(self, directory: Path) -> Iterator[Path]:
+        """A local directory in which this rank writes its files of ``directory`` (here: ``directory`` itself)."""
+        yield directory
+
+    def localize(self, path: Path) -> Path:
+        """A local directory holding the files under ``path`` (here: ``path`` itself)."""
+        return path
+
+    def check(self, root: Path) -> None:
+        """Fail early, with a clear message, when ``root`` cannot be used (local paths: nothing to check)."""
+
+    def _sync_dir(self, path: Path) -> None:
+        # A rename is durable only once its directory entry is flushed.
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return
+        try:
+            os.fsync(fd)
+        except OSError:  # some file systems refuse fsync on directories
+            pass
+        finally:
+            os.close(fd)
+
+
+# --------------------------------------------------------------------------- #
+# Locations
+# --------------------------------------------------------------------------- #
+#: ``scheme://rest``; also the ``scheme:/rest`` that ``Path("s3://b/k")`` collapses
+#: it to. Two letters at least, so a Windows drive (``C:/``) is never a scheme.
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/+(.*)$")
+#: Object-storage schemes unison writes to, and the package that provides each.
+REMOTE_SCHEMES = {"s3": "s3fs"}
+
+
+def split_url(location: str | os.PathLike[str]) -> tuple[str, str] | None:
+    """``(scheme, "bucket/key")`` for a URL (either spelling), ``None`` for a plain path."""
+    match = _URL.match(str(location))
+    return (match.group(1).lower(), match.group(2).rstrip("/")) if match else None
+
+
+def open_storage(
+    location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, option: str = "checkpoint_dir"
+) -> tuple[Path, LocalStorage]:
+    """The root path and storage for a checkpoint (or run directory) location.
+
+    * a path or ``file://`` URL: that directory, :class:`LocalStorage`;
+    * ``s3://bucket/prefix``: an S3 bucket through s3fs, configured the
+      standard way (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
+      ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``, fsspec's ``FSSPEC_S3_*``
+      variables) or by ``storage_options`` (s3fs's keyword arguments);
+    * anything else: a :class:`ConfigurationError`. A URL is never taken as
+      a local directory named after it.
+
+    ``option`` is the setting errors name (``checkpoint_dir``, ``logging.dir``).
+    """
+    url = split_url(location)
+    if url is None:
+        return Path(location), LocalStorage()
+    scheme, rest = url
+    if scheme == "file":
+        return Path("/" + rest), LocalStorage()
+    if scheme not in REMOTE_SCHEMES:
+        raise ConfigurationError(
+            option,
+            f"{str(location)!r} uses the URL scheme {scheme!r}, which unison does not store to",
+            "give a local path, a file:// URL or an s3://bucket/prefix URL",
+        )
+    from unison.checkpointing.remote_storage import FsspecStorage
+
+    storage = FsspecStorage(scheme, storage_options or {}, option=option)
+    return storage.root_path(rest), storage

@@ -1,0 +1,167 @@
+"""The schema of a config file: one pydantic model per section, every field documented.
+
+Unknown keys are refused (``extra="forbid"``); :mod:`unison.config.load` turns each
+validation error into a located problem with the closest valid name.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any, Literal
+
+import pydantic
+
+from unison.contract.settings import TrainerSettings
+from unison.errors import did_you_mean
+
+
+class _Strict(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class FactoryConfig(_Strict):
+    factory: str
+    """``file.py:function`` relative to the config file, or ``module:function``."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments for the factory."""
+
+
+class LossConfig(_Strict):
+    factory: str
+    """The loss function ``loss_fn(outputs, targets) -> mean loss``."""
+
+
+class StepConfig(_Strict):
+    factory: str
+    """The step function ``training_step(model, batch) -> mean loss`` (batches of any structure)."""
+
+
+class ClassConfig(_Strict):
+    name: str
+    """Optimizer: a ``torch.optim`` class, ``apex.NAME`` (apex's fused optimizers) or ``package.module:Class``;
+    scheduler: a ``torch.optim.lr_scheduler`` class."""
+    kwargs: dict[str, Any] = {}
+    """Constructor keyword arguments."""
+
+
+class MLflowConfig(_Strict):
+    tracking_uri: str | None = None
+    """Tracking server or store (``http://127.0.0.1:5000``, ``sqlite:///mlflow.db``); ``None``: MLflow's default."""
+    experiment: str = "unison"
+    """Experiment name (created when missing)."""
+    run_name: str | None = None
+    """MLflow run name; ``None``: the run directory's version (``tinylm/version_3``) or MLflow's own."""
+    tags: dict[str, str] = {}
+    """Extra tags on every run."""
+
+
+class WandbConfig(_Strict):
+    project: str = "unison"
+    """W&B project."""
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """``offline`` writes files only (``wandb sync`` uploads them later)."""
+    entity: str | None = None
+    """W&B entity (team or user)."""
+    tags: list[str] = []
+    """Tags on every run."""
+
+
+class LoggingConfig(_Strict):
+    """Metric loggers; each fit writes into a new ``dir/version_N`` (see ``unison.plugins.loggers``)."""
+
+    dir: str | None = None
+    """Run directory root, relative to the working directory, or an ``s3://bucket/prefix`` URL; each fit gets
+    ``dir/version_N``."""
+    upload_every_s: float = pydantic.Field(30.0, ge=0)
+    """With ``dir`` in object storage: upload the run's files at most this often while metrics are logged (and
+    always at the end of the fit)."""
+    jsonl: bool = False
+    """Write ``version_N/metrics.jsonl`` (one JSON object per logging call)."""
+    csv: bool = False
+    """Write ``version_N/metrics.csv`` (one row per step)."""
+    tensorboard: bool = False
+    """Write TensorBoard event files into ``version_N/tensorboard`` (needs ``unison[tensorboard]``)."""
+    mlflow: MLflowConfig | None = None
+    """Log each fit as an MLflow run (a ``[logging.mlflow]`` table enables it; needs ``unison[mlflow]``)."""
+    wandb: WandbConfig | None = None
+    """Log each fit as a W&B run, offline by default (``[logging.wandb]``; needs ``unison[wandb]``)."""
+
+    @pydantic.model_validator(mode="after")
+    def _file_loggers_need_dir(self) -> LoggingConfig:
+        enabled = [n for n in ("jsonl", "csv", "tensorboard") if getattr(self, n)] + (["wandb"] if self.wandb else [])
+        if enabled and self.dir is None:
+            raise ValueError(f'{", ".join(enabled)} write into a run directory: set dir (e.g. dir = "runs/NAME")')
+        return self
+
+
+class ImportsConfig(_Strict):
+    """The config's trust roots: what its factories and optimizer classes may load (see :mod:`unison.config.load`)."""
+
+    allow: list[str] = []
+    """Modules factories may name (each with its submodules), e.g. ``["transformers", "mypkg.models"]``;
+    the modules of installed ``unison`` entry points are always allowed."""
+    paths: list[str] = []
+    """Directories, besides the config file's own, whose files factories may name (relative to the config
+    file, or absolute)."""
+
+
+class RunConfig(_Strict):
+    trainer: TrainerSettings
+    model: FactoryConfig
+    data: FactoryConfig
+    loss: LossConfig | None = None
+    """The ``(inputs, targets)`` form; give this or ``[training_step]``."""
+    training_step: StepConfig | None = None
+    """The form for batches of any structure; give this or ``[loss]``."""
+    optimizer: ClassConfig = ClassConfig(name="AdamW", kwargs={"lr": 1e-3})
+    scheduler: ClassConfig | None = None
+    logging: LoggingConfig = LoggingConfig()
+    callbacks: list[FactoryConfig] = []
+    """Plugins to register (built-in or third-party callbacks): ``factory(**kwargs)`` each."""
+    imports: ImportsConfig = ImportsConfig()
+    """What the config's factories may load besides the files in its own directory."""
+
+    @pydantic.model_validator(mode="after")
+    def _one_form(self) -> RunConfig:
+        if (self.loss is None) == (self.training_step is None):
+            raise ValueError("give exactly one of the [loss] and [training_step] sections")
+        return self
+
+
+def _section_model(annotation: Any) -> type[pydantic.BaseModel] | None:
+    """The pydantic model inside ``X``, ``X | None`` or ``list[X]``, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, list):
+        for arg in typing.get_args(annotation):
+            found = _section_model(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def known_keys(loc: tuple[str | int, ...]) -> list[str]:
+    """The valid key names of the table at ``loc`` (``()`` is the top level), or ``[]`` for free-form tables."""
+    model: type[pydantic.BaseModel] | None = RunConfig
+    for part in loc:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(part)
+        model = _section_model(field.annotation) if field is not None else None
+    return list(model.model_fields) if model is not None else []
+
+
+def unknown_key_hint(loc: tuple[str | int, ...]) -> tuple[str, str]:
+    """``(problem, fix)`` for an unknown key: the closest valid name, or where a trainer option belongs."""
+    name, parent = str(loc[-1]), loc[:-1]
+    known = known_keys(parent)
+    hint = did_you_mean(name, known)
+    kind = "section" if not parent else "key"
+    if hint:
+        close = hint.split("'")[1]
+        return f"unknown {kind}{hint}", f"remove or rename it to {close!r}"
+    if not parent and name in TrainerSettings.model_fields:
+        return "unknown section", f"trainer options go under [trainer]: write trainer.{name}"
+    where = "sections" if not parent else "keys here"
+    return f"unknown {kind}", f"remove or rename it (valid {where}: {', '.join(known)})"

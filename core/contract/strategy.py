@@ -1,0 +1,397 @@
+"""The strategy contract: everything a backend plugin implements, top to bottom.
+
+A strategy plugin is a module (published under the ``unison`` entry-point
+group) with a ``unison_strategies`` hook returning :class:`StrategySpec`
+values, and a :class:`Strategy` subclass. Read this module in order:
+
+1. **Declare** (no process group, no device): :attr:`Strategy.ownership`
+   returns a frozen :class:`Ownership`: who owns gradient accumulation
+   (:class:`AccumulationOwner`), how each precision is applied
+   (:class:`PrecisionSupport`), the state_dict format
+   (:class:`StateDictDeclaration`), who makes replicas equal at start
+   (:class:`ReplicaInit`), the :class:`Feature` values and world sizes it
+   refuses. ``unison describe NAME`` prints it; the trainer enforces it.
+2. **Implement the interface of the declared accumulation owner** — one of the
+   three small interfaces below. ``build_strategy`` refuses a strategy whose
+   declared owner's interface is missing, before any process group:
+
+   ============================  ==========================================  =========================
+   declared owner                what the trainer does per optimizer step      interface to implement
+   ============================  ==========================================  =========================
+   ``trainer``, sync boundary    micro-steps but the last inside               :class:`DeferredGradSync`
+                                 ``no_sync()``; ``backward(loss / A)``         (``no_sync``)
+   ``trainer``, every micro-step ``backward(loss / A)`` for each micro-batch   nothing more
+   ``engine``                    ``backward(loss)``; checks                    :class:`EngineAccumulation`
+                                 ``is_accumulation_boundary()`` each time      (``is_accumulation_boundary``)
+   ``schedule``                  ``forward_backward(micro_batches, ...)``      :class:`ScheduleAccumulation`
+   ============================  ==========================================  =========================
+
+   then, for every owner: ``clip_grad_norm`` (global norm) -> ``optimizer_step``
+   -> ``zero_grad``.
+3. **Set up** (:meth:`Strategy.setup`): called once per ``fit`` on every rank,
+   after the process group exists, the seed was set, replicas were made equal
+   (when the trainer owns that) and :attr:`Strategy.env` was bound.
+4. **Hot path**: ``forward``, ``backward``, ``clip_grad_norm``,
+   ``optimizer_step``, ``zero_grad``, ``to_device``, ``reduce_sum``.
+5. **State**: ``full_state_dict`` (canonical), ``save_state`` / ``load_state``.
+   The helpers most strategies need are here too: :func:`canonical`,
+   :func:`dcp_save`, :func:`dcp_load` (``torch.distributed.checkpoint`` in the
+   layout every torch strategy shares, so checkpoints cross backends).
+
+The trainer never branches on a strategy's class or name: where the loop
+differs per backend, it reads the declaration.
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+import inspect
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+
+from unison.contract.env import DistEnv, resolve_accelerator
+from unison.contract.ownership import (
+    AccumulationOwner,
+    Feature,
+    GradAccumulation,
+    GradSync,
+    Ownership,
+    PrecisionOwner,
+    PrecisionSupport,
+    ReplicaInit,
+    StateDictDeclaration,
+    StateDictKind,
+    WorldSizes,
+)
+from unison.contract.settings import TrainerSettings
+from unison.contract.state import canonical, dcp_load, dcp_save
+from unison.data.batch import move_to_device
+from unison.errors import ConfigurationError
+from unison.plugin.registry import StrategySpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unison.contract.precision import Precision
+
+OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+# --------------------------------------------------------------------------- #
+# The three accumulation interfaces (one per declared owner)
+# --------------------------------------------------------------------------- #
+
+
+@runtime_checkable
+class DeferredGradSync(Protocol):
+    """Trainer-owned accumulation with gradients synchronised at the boundary only."""
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        """Skip gradient synchronisation for the micro-step run inside the context.
+
+        The trainer enters it on every micro-step of an optimizer step but the
+        last, so gradients add up locally and are synchronised once.
+        """
+        ...
+
+
+@runtime_checkable
+class EngineAccumulation(Protocol):
+    """Engine-owned accumulation (DeepSpeed): the engine scales the loss and decides the boundary."""
+
+    def is_accumulation_boundary(self) -> bool:
+        """After ``backward``: does the engine consider this micro-step the last of the optimizer step?
+
+        The trainer checks it against its own count at every micro-step and
+        fails loudly on a disagreement.
+        """
+        ...
+
+
+@runtime_checkable
+class ScheduleAccumulation(Protocol):
+    """Schedule-owned accumulation (pipelines): one call runs every micro-batch of a step."""
+
+    def forward_backward(
+        self, micro_batches: Sequence[tuple[Any, Any]], loss_fn: LossFn, precision: Precision
+    ) -> list[torch.Tensor]:
+        """Run forward and backward over all ``(inputs, targets)`` micro-batches; return each one's loss.
+
+        Gradients must end up as the mean over micro-batches; losses are
+        undivided and returned on every rank.
+        """
+        ...
+
+
+def required_interface(accumulation: GradAccumulation) -> type | None:
+    """The interface a strategy declaring ``accumulation`` must implement (``None``: none)."""
+    if accumulation.owner is AccumulationOwner.TRAINER:
+        return DeferredGradSync if accumulation.sync is GradSync.BOUNDARY else None
+    if accumulation.owner is AccumulationOwner.ENGINE:
+        return EngineAccumulation
+    return ScheduleAccumulation
+
+
+def check_contract(strategy: Strategy) -> None:
+    """Refuse, before any process group, a strategy that lacks its declared owner's interface."""
+    accumulation = strategy.ownership.grad_accumulation
+    interface = required_interface(accumulation)
+    if interface is not None and not isinstance(strategy, interface):
+        method = next(iter(n for n in vars(interface) if not n.startswith("_")))
+        raise ConfigurationError(
+            "strategy",
+            f"strategy {strategy.name!r} ({type(strategy).__qualname__}) declares {accumulation.owner.value}-owned "
+            f"gradient accumulation{' synchronised at the boundary' if interface is DeferredGradSync else ''} but "
+            f"does not implement {method}()",
+            f"implement {interface.__name__}.{method}() in the strategy"
+            + (
+                ", or declare GradAccumulation(sync=GradSync.EVERY_MICRO_STEP)" if interface is DeferredGradSync else ""
+            ),
+        )
+
+
+def model_features(model: torch.nn.Module) -> dict[Feature, str]:
+    """The :class:`Feature` values a model needs (tied weights, frozen parameters, buffers,
+    an arbitrary module), each with the evidence; the conformance suite uses it to know which
+    declared refusals a scenario may meet."""
+    needs: dict[Feature, str] = {}
+    seen: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen and Feature.TIED_WEIGHTS not in needs:
+            needs[Feature.TIED_WEIGHTS] = f"{name!r} is {seen[id(p)]!r}"
+        seen.setdefault(id(p), name)
+        if not p.requires_grad and Feature.FROZEN_PARAMETERS not in needs:
+            needs[Feature.FROZEN_PARAMETERS] = f"{name!r} does not require grad"
+    buffer = next(iter(model.named_buffers()), None)
+    if buffer is not None:
+        needs[Feature.BUFFERS] = f"buffer {buffer[0]!r}"
+    if not isinstance(model, torch.nn.Sequential) and getattr(model, "pipeline_layers", None) is None:
+        needs[Feature.ARBITRARY_MODULE] = f"{type(model).__name__} is not an nn.Sequential and has no pipeline_layers"
+    return needs
+
+
+# --------------------------------------------------------------------------- #
+# The base class
+# --------------------------------------------------------------------------- #
+
+
+class Strategy(abc.ABC):
+    """Base class of every backend. Subclasses declare, then implement.
+
+    Construction must be cheap and must not touch a process group or a device:
+    ``unison describe`` builds strategies only to read :attr:`ownership`.
+    """
+
+    #: The name the strategy was created under (set by the registry).
+    name: str = "?"
+
+    def __init__(self) -> None:
+        #: Bound by the trainer before :meth:`setup` (``None`` until then).
+        self.env: DistEnv | None = None
+        #: The user's module, unwrapped (canonical names come from it).
+        self.module: torch.nn.Module | None = None
+        #: What the trainer calls in forward (a DDP/FSDP/engine wrapper).
+        self.model: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # -- 1. declaration (no process group) ---------------------------------- #
+    @property
+    @abc.abstractmethod
+    def ownership(self) -> Ownership:
+        """The frozen declaration of what this configured strategy owns and refuses."""
+
+    def process_group_backend(self, device: torch.device) -> str | None:
+        """The ``torch.distributed`` backend to initialise, or ``None`` for none."""
+        return "nccl" if device.type == "cuda" else "gloo"
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """How many data-parallel replicas split each micro-batch."""
+        return world_size
+
+    def data_parallel_rank(self, rank: int, world_size: int) -> int:
+        """This rank's index among the data-parallel replicas."""
+        return rank
+
+    def validate(self, settings: TrainerSettings, world_size: int) -> None:
+        """Reject impossible settings before any process group starts.
+
+        Raise :class:`~unison.errors.ConfigurationError` naming the option and
+        the fix. The trainer has already enforced the declaration (precision,
+        refused features, world sizes) and batch divisibility; implement only
+        strategy-specific checks here.
+        """
+
+    def validate_model(self, model: torch.nn.Module, settings: TrainerSettings) -> None:
+        """Reject a model this strategy cannot train, before any process group starts."""
+
+    def validate_optimizer(self, optimizer: torch.optim.Optimizer, settings: TrainerSettings) -> None:
+        """Reject the user's optimizer before any process group starts.
+
+        ``optimizer`` is what the user's factory returned when the trainer
+        probed it on the model's trainable parameters (a throwaway instance:
+        :meth:`setup` calls the factory again). Only a strategy whose engine
+        takes the optimizer's hyper-parameters rather than the optimizer (apex's
+        ``DistributedFusedAdam`` is an Adam) needs this.
+        """
+
+    # -- 3. setup -------------------------------------------------------------- #
+    @abc.abstractmethod
+    def setup(
+        self,
+        module: torch.nn.Module,
+        make_optimizer: OptimizerFactory,
+        *,
+        precision: Precision,
+        settings: TrainerSettings,
+    ) -> None:
+        """Move and wrap ``module``, build the optimizer, set the attributes.
+
+        Called once per ``fit`` on every rank; :attr:`env` is bound. Must set
+        :attr:`module`, :attr:`model` and :attr:`optimizer`. ``precision`` is
+        the one way precision reaches a strategy: ``precision.name`` and
+        ``precision.support`` (the declared :class:`PrecisionSupport`); when the
+        trainer applies it, ``precision.convert_module`` has already run.
+        """
+
+    # -- 4. hot path -------------------------------------------------------- #
+    def forward(self, inputs: Any) -> Any:
+        """The model's forward for the ``loss_fn`` form (``training_step`` gets :attr:`model`)."""
+        return self.model(inputs)
+
+    def to_device(self, batch: Any, *, non_blocking: bool = False) -> Any:
+        """Move every tensor leaf of ``batch`` to this rank's device.
+
+        A strategy may narrow this (a pipeline stage needs only part of a batch).
+        """
+        assert self.env is not None
+        return move_to_device(batch, self.env.device, non_blocking=non_blocking)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    @abc.abstractmethod
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """Return the global pre-clip L2 grad norm over all shards; clip when ``max_norm`` is set."""
+
+    def optimizer_step(self) -> bool:
+        """Update the parameters; return ``True`` if the engine skipped the update.
+
+        Engines that own loss scaling (DeepSpeed fp16) report their own
+        overflow skips here; a trainer-applied GradScaler decides before this
+        is called.
+        """
+        assert self.optimizer is not None
+        self.optimizer.step()
+        return False
+
+    def zero_grad(self) -> None:
+        assert self.optimizer is not None
+        zero_grad = self.optimizer.zero_grad
+        # Free the gradients. apex's fused optimizers (FusedAdam, FusedLAMB)
+        # override zero_grad() without the set_to_none argument and free them
+        # themselves (set_grad_none=True, their default).
+        if _takes_set_to_none(type(self.optimizer)):
+            zero_grad(set_to_none=True)
+        else:
+            zero_grad()
+
+    def eval_loss(self, inputs: Any, targets: Any, loss_fn: LossFn) -> torch.Tensor:
+        """The mean loss of one validation batch in the ``loss_fn`` form (under ``torch.no_grad``)."""
+        return loss_fn(self.forward(inputs), targets)
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over data-parallel replicas; returned on every rank, on this rank's device."""
+        assert self.env is not None
+        out = tensor.detach().to(self.env.device)
+        if not self.env.distributed:
+            return out
+        out = out.clone()
+        torch.distributed.all_reduce(out, group=self.data_parallel_group())
+        return out
+
+    def reduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Average ``tensor`` over data-parallel replicas; returned on every rank, on this rank's device."""
+        assert self.env is not None
+        return self.reduce_sum(tensor) / self.data_parallel_size(self.env.world_size)
+
+    def data_parallel_group(self) -> Any:
+        """The process group of this rank's data-parallel replicas (``None``: the world)."""
+        return None
+
+    def make_grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
+        """The loss scaler for trainer-applied fp16 (sharded strategies return a sharded one)."""
+        return torch.amp.GradScaler(device.type)
+
+    # -- 5. state ----------------------------------------------------------- #
+    @abc.abstractmethod
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Canonical model state: unsharded, fp32, on CPU, the module's own names.
+
+        Collective: call on every rank. Returned on every rank.
+        """
+
+    @abc.abstractmethod
+    def save_state(self, directory: Path) -> None:
+        """Write model and optimizer state into ``directory`` (collective)."""
+
+    @abc.abstractmethod
+    def load_state(self, directory: Path) -> None:
+        """Restore model and optimizer state from ``directory`` (collective)."""
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        assert self.module is not None and self.optimizer is not None
+        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
+        grads = sum(p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
+        optim = sum(
+            t.numel() * t.element_size()
+            for s in self.optimizer.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0
+        )
+        return {"parameters": params, "gradients": grads, "optimizer_state": optim}
+
+    def teardown(self) -> None:
+        """Release what setup made; called once at the end of every ``fit``."""
+        self.model = self.optimizer = None
+
+
+__all__ = [
+    "AccumulationOwner",
+    "DeferredGradSync",
+    "DistEnv",
+    "EngineAccumulation",
+    "Feature",
+    "GradAccumulation",
+    "GradSync",
+    "LossFn",
+    "OptimizerFactory",
+    "Ownership",
+    "PrecisionOwner",
+    "PrecisionSupport",
+    "ReplicaInit",
+    "ScheduleAccumulation",
+    "StateDictDeclaration",
+    "StateDictKind",
+    "Strategy",
+    "StrategySpec",
+    "TrainerSettings",
+    "WorldSizes",
+    "canonical",
+    "check_contract",
+    "dcp_load",
+    "dcp_save",
+    "model_features",
+    "required_interface",
+    "resolve_accelerator",
+]
+
+
+@functools.cache
+def _takes_set_to_none(optimizer_type: type) -> bool:
+    """Whether ``optimizer_type.zero_grad`` accepts ``set_to_none`` (read once per class, not per step)."""
+    return "set_to_none" in inspect.signature(optimizer_type.zero_grad).parameters

@@ -1,0 +1,430 @@
+"""The watchdog: a rank that stops making progress is named within seconds, not at the collective timeout.
+
+Without it a frozen rank (stopped, stuck in the kernel, holding the GIL in a
+C call) is noticed only when a peer's collective times out (10 minutes by
+default), and the error names no rank. With it:
+
+* Every rank runs a daemon thread that publishes a *heartbeat* to the
+  control plane (the rendezvous store, ``MASTER_ADDR:MASTER_PORT``, through a
+  client of its own with a short timeout; never the training collectives)
+  every ``interval`` seconds: a counter, the rank's last (step, phase), its
+  host and pid. The training loop only assigns an in-memory record
+  (:meth:`Watchdog.mark`); the hot path makes no store round trip.
+* The same thread reads every rank's heartbeat. A rank whose counter has not
+  changed for ``stall_timeout_s`` (measured on the reader's own clock, so
+  hosts need no synchronised clocks) is *stalled*; so is the store's host when
+  the store stops answering for that long. A slow rank is not stalled: its
+  thread keeps beating while its step takes as long as it takes.
+* On a stall every live rank prints one line naming the stalled rank and
+  where every rank is (step, phase), dumps its Python stacks
+  (:mod:`faulthandler`), dumps the NCCL flight recorder on CUDA, records the
+  error for the launcher and exits with :data:`~unison.errors.EXIT_STALLED`
+  (3). A stalled rank that is merely *stopped* (SIGSTOP, state ``T``) on the
+  same host is continued first: frozen, it would ignore the launcher's
+  SIGTERM for the launcher's whole grace period (30 s for torchrun) and end
+  as "killed by SIGKILL". Continued, it notices its own freeze, prints its own
+  stacks and exits with the same code.
+
+A rank that finishes (or fails) marks its heartbeat so, and is never blamed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from unison.errors import EXIT_STALLED, ConfigurationError, UnisonError
+
+#: Default of ``stall_timeout_s``: far above any healthy pause of a heartbeat
+#: thread, far below the collective timeout.
+DEFAULT_STALL_TIMEOUT_S = 300.0
+
+_RUNNING, _DONE = "running", "done"
+
+
+class StallError(UnisonError):
+    """A rank stopped making progress; every live rank ends with :data:`~unison.errors.EXIT_STALLED`."""
+
+    exit_code = EXIT_STALLED
+
+
+def check_stall_timeout(stall_timeout_s: float | None, collective_timeout_s: float) -> None:
+    """Refuse a stall timeout the collective timeout would beat (before any process group)."""
+    if stall_timeout_s is not None and stall_timeout_s >= collective_timeout_s:
+        raise ConfigurationError(
+            "stall_timeout_s",
+            f"{stall_timeout_s:g} s is not below the collective timeout ({collective_timeout_s:g} s): a collective "
+            "waiting on a hung rank would fail first, without naming it",
+            "lower stall_timeout_s (default 300), or raise UNISON_COLLECTIVE_TIMEOUT",
+        )
+
+
+def heartbeat_interval(stall_timeout_s: float) -> float:
+    """Seconds between heartbeats: a tenth of the timeout, within [0.5, 5]."""
+    return min(5.0, max(0.5, stall_timeout_s / 10))
+
+
+# --------------------------------------------------------------------------- #
+# Detection: pure logic over observed heartbeats
+# --------------------------------------------------------------------------- #
+@dataclass
+class _Seen:
+    beat: int
+    changed_at: float  # the observer's clock when the beat last changed
+    record: dict[str, Any] = field(default_factory=dict)
+
+
+class StallDetector:
+    """Which ranks' heartbeats stopped: fed observations, asked at a time.
+
+    A rank is stalled when its beat counter has not changed for
+    ``stall_timeout_s`` of the observer's clock; a rank never seen counts from
+    the detector's start. Ranks whose last record says they are done are
+    never stalled. Progress (step, phase) is carried for the report only: a
+    rank that beats but does not advance is slow, not stalled.
+    """
+
+    def __init__(self, world_size: int, stall_timeout_s: float, now: float) -> None:
+        self.world_size, self.stall_timeout_s, self.started = world_size, stall_timeout_s, now
+        self.seen: dict[int, _Seen] = {}
+
+    def observe(self, rank: int, record: dict[str, Any], now: float) -> None:
+        seen = self.seen.get(rank)
+        beat = int(record["beat"])
+        if seen is None or seen.beat != beat:
+            self.seen[rank] = _Seen(beat, now, record)
+        else:
+            seen.record = record
+
+    def silent_for(self, rank: int, now: float) -> float:
+        seen = self.seen.get(rank)
+        return now - (seen.changed_at if seen is not None else self.started)
+
+    def done(self, rank: int) -> bool:
+        seen = self.seen.get(rank)
+        return seen is not None and seen.record.get("state") == _DONE
+
+    def stalled(self, now: float, ranks: Iterable[int] | None = None) -> list[int]:
+        ranks = range(self.world_size) if ranks is None else ranks
+        return [r for r in ranks if not self.done(r) and self.silent_for(r, now) >= self.stall_timeout_s]
+
+    def where(self, rank: int) -> str:
+        seen = self.seen.get(rank)
+        if seen is None:
+            return "no heartbeat seen"
+        rec = seen.record
+        return f"step {rec.get('step')} ({rec.get('phase')})"
+
+
+# --------------------------------------------------------------------------- #
+# The heartbeat thread
+# --------------------------------------------------------------------------- #
+def store_client(op_timeout_s: float) -> Any:
+    """A client of its own to the rendezvous store at ``MASTER_ADDR:MASTER_PORT`` with a short op timeout.
+
+    Its own connection: a store op that waits on a frozen host blocks only
+    the heartbeat thread, never the process group's store.
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=op_timeout_s),
+        wait_for_workers=False,
+    )
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks (``/proc/PID/stat`` field 22): a pid's identity."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[19] if len(fields) > 19 else None
+
+
+def _proc_state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+class Watchdog:
+    """One rank's heartbeat publisher and stall detector (see the module docstring).
+
+    Args:
+        stall_timeout_s: seconds without a heartbeat before a rank is stalled;
+            ``None`` disables the watchdog (``mark`` still works, nothing runs).
+        rank, world_size: this rank and the world.
+        store: a c10d store shared by the ranks (``None``: :func:`store_client`
+            makes one on :meth:`start`).
+        prefix: store key prefix, the same on every rank for one fit.
+        on_stall: what a stall does (default :meth:`exit_stalled`: report,
+            dump stacks, exit with code 3); called with the report line.
+        store_host_rank: the rank whose process hosts the store (``None``:
+            a launcher's agent does), blamed when the store stops answering.
+    """
+
+    def __init__(
+        self,
+        stall_timeout_s: float | None,
+        rank: int,
+        world_size: int,
+        *,
+        store: Any = None,
+        prefix: str = "unison/watchdog",
+        on_stall: Callable[[str], None] | None = None,
+        store_host_rank: int | None = 0,
+        interval: float | None = None,
+    ) -> None:
+        self.stall_timeout_s, self.rank, self.world_size = stall_timeout_s, rank, world_size
+        self.interval = interval or (heartbeat_interval(stall_timeout_s) if stall_timeout_s else 0.0)
+        self.store, self.prefix, self.store_host_rank = store, prefix, store_host_rank
+        self.on_stall = on_stall or self.exit_stalled
+        #: (step, phase): the only thing the training loop writes.
+        self.where: tuple[int, str] = (0, "setup")
+        self.report: str | None = None
+        self._stoppable: list[tuple[int, str | None]] = []
+        self._beat_count = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._io: threading.Thread | None = None
+        self._identity = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+
+    @property
+    def enabled(self) -> bool:
+        return self.stall_timeout_s is not None and self.world_size > 1
+
+    def mark(self, step: int, phase: str) -> None:
+        """Record where this rank is (hot path: one attribute assignment, no I/O)."""
+        self.where = (step, phase)
+
+    # -- lifecycle ----------------------------------------------------------- #
+    def start(self) -> Watchdog:
+        if self.enabled and self._thread is None:
+            if self.store is None:
+                self.store = store_client(max(2.0, 2 * self.interval))
+            self._publish(_RUNNING)
+            assert self.stall_timeout_s is not None
+            self._detector = StallDetector(self.world_size, self.stall_timeout_s, time.monotonic())
+            self._store_ok_at = time.monotonic()
+            # Two threads: store I/O can block for good on a frozen store host,
+            # so the judging never waits on it.
+            self._io = threading.Thread(target=self._beat, name="unison-heartbeat", daemon=True)
+            self._thread = threading.Thread(target=self._judge, name="unison-watchdog", daemon=True)
+            self._io.start()
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the threads and mark this rank done (it is never blamed after this)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        for thread in (self._thread, self._io):
+            thread.join(timeout=max(5.0, 3 * self.interval))
+        self._thread = None
+        if not self._io.is_alive():  # not stuck in a store op
+            with contextlib.suppress(Exception):  # the store may be gone with a finished rank 0: nobody to tell
+                self._publish(_DONE)
+
+    # -- the threads ------------------------------------------------------------- #
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}/{rank}"
+
+    def _publish(self, state: str) -> None:
+        self._beat_count += 1
+        step, phase = self.where
+        record = {"beat": self._beat_count, "step": step, "phase": phase, "state": state, **self._identity}
+        self.store.set(self._key(self.rank), json.dumps(record))
+
+    def _read(self) -> dict[int, dict[str, Any]]:
+        keys = [self._key(r) for r in range(self.world_size)]
+        # One round trip once every rank has published (a missing key would block multi_get).
+        present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
+        if not present:
+            return {}
+        values = self.store.multi_get(present)
+        return {int(k.rsplit("/", 1)[1]): json.loads(bytes(v).decode()) for k, v in zip(present, values)}
+
+    def _beat(self) -> None:
+        """Publish this rank's heartbeat and read everyone's, every interval."""
+        while not self._stop.wait(self.interval):
+            try:
+                self._publish(_RUNNING)
+                records = self._read()
+            except Exception:  # the store did not answer: the judge counts how long
+                continue
+            now = time.monotonic()
+            with self._lock:
+                for rank, record in records.items():
+                    self._detector.observe(rank, record, now)
+                self._store_ok_at = now
+
+    def _judge(self) -> None:
+        """Every interval: was this process frozen, is the store's host, is any other rank."""
+        assert self.stall_timeout_s is not None
+        others = [r for r in range(self.world_size) if r != self.rank]
+        while True:
+            waited_from = time.monotonic()
+            if self._stop.wait(self.interval):
+                return
+            now = time.monotonic()
+            if now - waited_from >= self.stall_timeout_s:
+                # A wait of one interval took a whole timeout: this process was
+                # frozen (stopped, or starved), and the other ranks named it.
+                step, phase = self.where
+                self._stalled(
+                    f"rank {self.rank} was frozen for {now - waited_from:.1f} s at step {step} ({phase}), stopped or "
+                    "starved of CPU; the other ranks report it as stalled"
+                )
+                return
+            with self._lock:
+                detector, store_ok_at = self._detector, self._store_ok_at
+                if self.store_host_rank is not None and detector.done(self.store_host_rank):
+                    return  # the store's host finished: nothing left to watch, and nobody to blame
+                if now - store_ok_at >= self.stall_timeout_s:
+                    host = f"rank {self.store_host_rank}" if self.store_host_rank is not None else "the launcher"
+                    report = (
+                        f"{host} stalled: the control-plane store it hosts ({os.environ.get('MASTER_ADDR')}:"
+                        f"{os.environ.get('MASTER_PORT')}) has not answered for {now - store_ok_at:.1f} s; "
+                        + self._positions(detector, others)
+                    )
+                else:
+                    stalled = detector.stalled(now, others)
+                    if not stalled:
+                        continue
+                    self._stoppable = self._stopped_here(detector, stalled)
+                    report = self._describe(detector, stalled, now, others)
+            self._stalled(report)
+            return
+
+    def _positions(self, detector: StallDetector, others: list[int]) -> str:
+        step, phase = self.where
+        parts = [f"rank {self.rank} (this one) at step {step} ({phase})"]
+        parts += [f"rank {r}'s last heartbeat at {detector.where(r)}" for r in others]
+        return "; ".join(parts)
+
+    def _describe(self, detector: StallDetector, stalled: list[int], now: float, others: list[int]) -> str:
+        names = []
+        for r in stalled:
+            rec = detector.seen[r].record if r in detector.seen else {}
+            at = f" (pid {rec['pid']} on {rec['host']})" if rec else ""
+            silent = detector.silent_for(r, now)
+            last = f"its last one at {detector.where(r)}" if rec else "none seen since the watchdog started"
+            names.append(f"rank {r}{at}: no heartbeat for {silent:.1f} s, {last}")
+        live = [r for r in others if r not in stalled]
+        step, phase = self.where
+        where = [f"rank {self.rank} (this one) at step {step} ({phase})"]
+        where += [f"rank {r} at {detector.where(r)}" for r in live]
+        return f"stalled {', '.join(names)}; live: {'; '.join(where)}"
+
+    def _stopped_here(self, detector: StallDetector, stalled: list[int]) -> list[tuple[int, str]]:
+        """(pid, start time) of the stalled ranks that run on this host, as their heartbeats said."""
+        found = []
+        for r in stalled:
+            rec = detector.seen[r].record if r in detector.seen else {}
+            if rec.get("host") == self._identity["host"] and isinstance(rec.get("pid"), int):
+                found.append((rec["pid"], rec.get("start")))
+        return found
+
+    def continue_stopped(self) -> None:
+        """SIGCONT each stalled rank that is a stopped process (state ``T``) on this host.
+
+        Frozen, it would ignore the launcher's SIGTERM until the launcher's
+        grace period ends in SIGKILL; continued, it reports its own freeze and
+        exits. The start time guards against a reused pid.
+        """
+        for pid, start in self._stoppable:
+            if _start_time(pid) == start and _proc_state(pid) in ("T", "t"):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGCONT)
+
+    def _stalled(self, report: str) -> None:
+        self.report = report
+        self.on_stall(report)
+
+    # -- the default reaction ---------------------------------------------------- #
+    def exit_stalled(self, report: str) -> None:
+        """Print the report line and this rank's Python stacks, dump the NCCL trace, exit with code 3."""
+        print(
+            f"unison: rank {self.rank}: {report}. Python stacks of rank {self.rank} follow; exiting with code "
+            f"{EXIT_STALLED}",
+            file=sys.stderr,
+            flush=True,
+        )
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        trace = dump_nccl_trace(self.rank)
+        if trace:
+            print(f"unison: rank {self.rank}: NCCL flight recorder written to {trace}", file=sys.stderr, flush=True)
+        from unison.launch.lifecycle import record_error
+
+        record_error(StallError(report))
+        self.continue_stopped()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_STALLED)
+
+
+def dump_nccl_trace(rank: int) -> str | None:
+    """Write torch's NCCL flight recorder (CUDA builds) to ``TORCH_FR_DUMP_TEMP_FILE`` + rank; its path or ``None``."""
+    import torch
+
+    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    base = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    if dump is None or not base or not torch.cuda.is_available():
+        return None
+    path = f"{base}{rank}"
+    try:
+        data = dump(True, True, False)  # collectives, stack traces, not only the active ones
+        with open(path, "wb") as f:
+            f.write(data)
+    except Exception as exc:  # a failed dump must not hide the stall report
+        print(f"unison: rank {rank}: NCCL flight recorder dump failed: {exc}", file=sys.stderr, flush=True)
+        return None
+    return path
+
+
+_fits = 0
+
+
+def start_watchdog(stall_timeout_s: float | None, rank: int, world_size: int) -> Watchdog:
+    """The watchdog of one fit, started when the world has several ranks (and a timeout); inert otherwise.
+
+    Keys live under ``unison/watchdog/<attempt>/<fit>``: torchrun's restart
+    count and this process's count of fits, the same on every rank, so a
+    restarted world or a second ``fit`` never reads a previous one's beats.
+    The store is the rendezvous store at ``MASTER_ADDR:MASTER_PORT``; its host
+    is rank 0, or torchrun's agent when it shares its own store with the
+    workers (``TORCHELASTIC_USE_AGENT_STORE``).
+    """
+    global _fits
+    _fits += 1
+    if stall_timeout_s is None or world_size < 2 or "MASTER_ADDR" not in os.environ:
+        return Watchdog(None, rank, world_size)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return Watchdog(
+        stall_timeout_s,
+        rank,
+        world_size,
+        prefix=f"unison/watchdog/{attempt}/{_fits}",
+        store_host_rank=None if agent_store else 0,
+    ).start()
