@@ -1,4 +1,9 @@
-"""Fixtures shared by test modules: the S3 server (started only by the tests that ask for it).
+"""Fixtures shared by test modules (the S3 server, started only by the tests that ask for it), the
+test tiers, and a per-module time summary.
+
+Tiers: the README's test command (``-m "not full"``) is the quick tier; the modules in
+:data:`FULL_TIER` are the long tier that ``.ci/run`` runs as its own step (``-m full``). Every module
+is in exactly one tier; both together are the whole suite.
 
 Trainers without a ``root_dir`` or loggers write their default metrics under ``$UNISON_RUNS_ROOT``:
 set here, before any test module builds its subprocess environment, to a directory removed at exit,
@@ -8,6 +13,7 @@ so no test (or world it starts) leaves ``runs/`` in the checkout.
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import shutil
 import tempfile
@@ -19,6 +25,42 @@ if "UNISON_RUNS_ROOT" not in os.environ:
     _runs = tempfile.mkdtemp(prefix="unison-test-runs-")
     os.environ["UNISON_RUNS_ROOT"] = _runs
     atexit.register(shutil.rmtree, _runs, True)
+
+
+# Module -> why it runs in the long tier (minutes each; their behaviour is also covered in the quick tier
+# by the per-backend and CLI tests, or they repeat runs on purpose).
+FULL_TIER = {
+    "test_lifecycle_stress.py": "repeats whole 2-rank runs to catch rare failures",
+    "test_conformance_broken.py": "the mutation suites: every deliberately broken strategy through the suite",
+    "test_conformance_rules.py": "the mutation suites (diagnosis rules)",
+    "test_conformance_optim.py": "the mutation suites (optimizer state on resume)",
+    "test_conformance_precision.py": "the mutation suites (precision applied)",
+    "test_conformance.py": "the suite on the test and example strategies, every scenario",
+    "test_multinode.py": "two torchrun agents as two nodes",
+    "test_multinode_cluster.py": "two torchrun agents per cluster environment",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in FULL_TIER:
+            item.add_marker(pytest.mark.full)
+
+
+_module_seconds: collections.Counter[str] = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+    _module_seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _module_seconds:
+        return
+    terminalreporter.section("seconds per test module (setup + call + teardown)")
+    for module, seconds in _module_seconds.most_common(30):
+        terminalreporter.write_line(f"{seconds:8.1f}  {module}")
+    terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}  total")
 
 
 @pytest.fixture(scope="session")

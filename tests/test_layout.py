@@ -177,3 +177,13 @@ def test_no_code_in_the_project_uses_an_old_path():
         "        importlib.import_module(m.name)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_long_tier_module_exists_and_ci_runs_both_tiers():
+    from conftest import FULL_TIER
+
+    tests = Path(__file__).resolve().parent
+    assert sorted(m for m in FULL_TIER if not (tests / m).is_file()) == []
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert '-m pytest tests -p no:cacheprovider -m "not full"' in ci
+    assert "-m pytest tests -p no:cacheprovider -m full" in ci
