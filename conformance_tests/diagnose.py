@@ -1,7 +1,7 @@
 """Divergence diagnosis: from a failed scenario's divergences to the rule the strategy likely broke.
 
 The comparison reports *where* a strategy left the reference (every
-:class:`~unison.conformance.compare.Divergence`, earliest step first); this
+:class:`~unison.conformance.verdict.Divergence`, earliest step first); this
 module says *why*, from patterns in what the suite recorded. The rules, in the
 order they are tried (the first that matches names the diagnosis):
 
@@ -77,7 +77,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unison.conformance import diagnose_rules
-from unison.conformance.scenarios import Run, Scenario
+from unison.conformance.spec import Run, Scenario
 
 #: Relative agreement for a grad-norm ratio to match a pattern (well above
 #: fp32 and bf16 noise, far below the gap between 1/2, 1/4, 2 and 4).
@@ -204,7 +204,7 @@ def _ratio_rule(ratio: float, world: int, accumulation: int) -> tuple[str, str] 
 
 def _stale_buffers(scenario: Scenario, strat: dict[str, dict[str, Any]]) -> str | None:
     """Why the strategy's buffers look never updated (equal to the initial ones at a checkpoint), or ``None``."""
-    from unison.conformance.scenarios import build_model
+    from unison.conformance.models import build_model
 
     initial = dict(build_model(scenario.model).named_buffers())
     if not initial:

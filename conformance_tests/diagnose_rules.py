@@ -35,7 +35,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from unison.conformance.scenarios import Run, Scenario
+from unison.conformance.spec import Run, Scenario
 
 #: Relative agreement for ratios and divisors (as :data:`unison.conformance.diagnose.RATIO_MATCH`).
 MATCH = 0.05
@@ -111,7 +111,7 @@ def hard_coded_divisor(
 
 def tied_weight_twice(scenario: Scenario, ratio: float) -> str | None:
     """Why a grad norm ``ratio`` (strategy / reference, loss equal) points at a tied weight counted twice."""
-    from unison.conformance.scenarios import build_model
+    from unison.conformance.models import build_model
     from unison.ownership import Feature
     from unison.strategy import model_features
 
@@ -185,7 +185,7 @@ def resume_rule(
 
 
 def _buffers_restarted(scenario: Scenario, run: Run, t: dict[str, Any], trace_of: TraceOf) -> tuple[str, str] | None:
-    from unison.conformance.scenarios import build_model
+    from unison.conformance.models import build_model
 
     source = run.resume_from or ""
     truth = trace_of(f"reference:{run.truth}") if run.truth else None

@@ -28,7 +28,7 @@ VAL_SIZE = 25
 
 def validation_data() -> TensorDataset:
     """Held-out regression samples (another seed than the training data), per-sample losses far apart."""
-    from unison.conformance.scenarios import regression_data
+    from unison.conformance.data import regression_data
 
     x, y = regression_data(VAL_SIZE, seed=321).tensors
     # Targets spread over a wide range: per-replica means differ, so any mean
