@@ -33,7 +33,7 @@ What is compared (see :mod:`unison.conformance.spec` for the run roles):
   ConfigurationError naming it before any process group, and a
   declared-supported one is accepted.
 
-Refusals. A run refused before ``fit`` starts the process group (the runner's
+Refusals. A run refused before ``fit`` starts the process group (the suite's
 ``refused`` status) is *declared out* only when the run needs something the
 strategy's declaration refuses: a :class:`~unison.ownership.Feature`, a
 precision, or the world size (:func:`~unison.conformance.spec.needs`).
@@ -101,36 +101,14 @@ def judge_scenario(
     from unison.conformance.diagnose import diagnose
 
     v = Verdict(scenario.name, result.name, PASS, precision=scenario.precision)
-    if result.status == "skipped":
-        v.status, v.reason = SKIPPED, result.reason
+    if _settled_without_comparing(scenario, result, v):
         return v
-    if result.status != "ran":
-        v.status, v.reason = FAIL, result.reason
-        return v
-    own = result.ownership or {}
     if scenario.kind == "declarations":
         return judge_declarations(scenario, result, v)
-    if scenario.requires_reshardable and not own.get("state_dict", {}).get("reshardable"):
-        fmt = own.get("state_dict", {}).get("format") or "its format"
-        v.status, v.reason = (
-            DECLARED_OUT,
-            f"declares its state_dict not reshardable ({fmt}): its checkpoints resume only at the world size "
-            "and under the strategy that wrote them",
-        )
-        return v
 
     c = Checker(scenario, tolerance_for(scenario.precision))
     ref_runs = reference.get(scenario.name, {})
-    for run in scenario.runs:
-        if run.backend == "reference" and not (run.resume_from or "").startswith("strategy:"):
-            t = ref_runs.get(run.id)
-            if t is None or t["status"] != "ok":
-                c.fail(
-                    run_label("reference", run.id),
-                    "reference run",
-                    kind="premise",
-                    note=f"the reference itself failed: {error_line(t or {})}",
-                )
+    _check_reference_ran(c, scenario, ref_runs)
     if c.divergences:
         return finish(v, c)
     check_premises(c, scenario, ref_runs)
@@ -140,29 +118,7 @@ def judge_scenario(
         v.sensitivity = sens.to_dict()
 
     strat = result.traces.get(scenario.name, {})
-    # Refusals before training: declared out only where the declaration says
-    # so. A refusal of the other world size only drops that run (the
-    # checkpoint is still verified at that world size under single).
-    dropped: set[str] = set()
-    declared_out: list[str] = []
-    for run in scenario.runs:
-        t = strat.get(run.id) if run.backend == "strategy" else None
-        if t is None or t["status"] != "refused":
-            continue
-        world = result.alt_world_size if run.world == "alt" else result.world_size
-        reason, failure = judge_refusal(scenario, run, t, own, world)
-        if failure is not None:
-            c.divergences.append(failure)
-            dropped.add(run.id)
-        elif run.world == "alt":
-            dropped.add(run.id)
-            c.checks.append(
-                f"strategy:{run.id} refused world size {world} ({reason}); the world-size change is "
-                "verified under single only"
-            )
-        else:
-            declared_out.append(f"strategy:{run.id} refused ({reason})")
-            dropped.add(run.id)
+    dropped, declared_out = _judge_refusals(c, scenario, result, strat)
     if declared_out and not c.divergences:
         v.status, v.reason = DECLARED_OUT, declared_out[0]
         v.checks = c.checks + declared_out
@@ -170,78 +126,7 @@ def judge_scenario(
 
     buffers = _buffer_names(scenario)
     for run in scenario.runs:
-        label = run_label(run.backend, run.id)
-        if run.backend == "strategy" and run.id in dropped:
-            continue
-        if run.backend == "strategy":
-            t = strat.get(run.id)
-            world_error = result.world_errors.get(run.world)
-        else:
-            if not (run.resume_from or "").startswith("strategy:"):
-                # Pure reference runs: only their own resume exactness is checked.
-                t = ref_runs.get(run.id)
-                if run.truth is not None and t is not None:
-                    _compare_to_truth(c, run, label, t, ref_runs, buffers)
-                continue
-            if (run.resume_from or "").split(":", 1)[1] in dropped:
-                continue
-            t = result.reference_traces.get(scenario.name, {}).get(run.id)
-            world_error = None
-        if t is None:
-            c.fail(label, "run", note=f"did not execute: {world_error or 'no trace'}", kind="run")
-            continue
-        if t["status"] != "ok":
-            c.fail(label, "run", note=f"{t['status']}: {error_line(t)}", kind="run")
-            continue
-        check_rank_consistency(c, label, t)
-        if run.backend == "strategy":
-            sensitivity.check_probes(c, scenario, label, t)
-        data_parallel = t.get("world_size", 1) > 1
-        check_accumulation(c, scenario, label, t, data_parallel)
-        if run.twin is not None:
-            twin = ref_runs.get(run.twin)
-            against = run_label("reference", run.twin)
-            if twin is None or twin["status"] != "ok":
-                c.fail(label, "twin", note=f"reference run {run.twin!r} missing", kind="run")
-            else:
-                hooks, twin_hooks = _comparable_hooks(t["hooks"]), _comparable_hooks(twin["hooks"])
-                if hooks != twin_hooks:
-                    first = _first_difference(twin_hooks, hooks)
-                    c.fail(
-                        label,
-                        "hook sequence",
-                        expected=first[0],
-                        got=first[1],
-                        against=against,
-                        kind="hooks",
-                        note=f"first difference at call {first[2]}",
-                    )
-                for key in ("optimizer_steps", "scheduler_steps"):
-                    if t["counts"][key] != twin["counts"][key]:
-                        c.fail(
-                            label,
-                            key.replace("_", " "),
-                            expected=twin["counts"][key],
-                            got=t["counts"][key],
-                            against=against,
-                            kind="counts",
-                        )
-                c.steps(label, t, twin, against, exact_range=True)
-                if scenario.val_every:
-                    check_validations(c, label, t, twin, against)
-                c.buffer_snapshots(label, t.get("buffer_snapshots"), twin.get("buffer_snapshots"), against)
-                c.state(label, t.get("state"), twin.get("state"), against, buffers=buffers)
-        if run.truth is not None:
-            _compare_to_truth(c, run, label, t, ref_runs, buffers)
-        for other in run.same_as:
-            o = strat.get(other)
-            against = run_label("strategy", other)
-            if o is None or o["status"] != "ok":
-                c.fail(label, "same_as", note=f"strategy run {other!r} missing", kind="run")
-                continue
-            c.steps(label, t, o, against, exact_range=False)
-            c.state(label, t.get("state"), o.get("state"), against, track=False, buffers=buffers)
-        c.checks.append(_describe_run_checks(run))
+        _judge_run(c, scenario, run, result, ref_runs, dropped, buffers)
 
     if scenario.same_sync_as:
         check_same_sync(c, scenario, result)
@@ -254,6 +139,170 @@ def judge_scenario(
     elif v.status == PASS and sens is not None and not sens.conclusive:
         v.status, v.reason = INCONCLUSIVE, sens.inconclusive_reason()
     return v
+
+
+def _settled_without_comparing(scenario: Scenario, result: StrategyResult, v: Verdict) -> bool:
+    """Set ``v`` and say so when nothing is compared: strategy skipped or failed to run, or not reshardable."""
+    if result.status == "skipped":
+        v.status, v.reason = SKIPPED, result.reason
+        return True
+    if result.status != "ran":
+        v.status, v.reason = FAIL, result.reason
+        return True
+    state_dict = (result.ownership or {}).get("state_dict", {})
+    if scenario.kind != "declarations" and scenario.requires_reshardable and not state_dict.get("reshardable"):
+        fmt = state_dict.get("format") or "its format"
+        v.status, v.reason = (
+            DECLARED_OUT,
+            f"declares its state_dict not reshardable ({fmt}): its checkpoints resume only at the world size "
+            "and under the strategy that wrote them",
+        )
+        return True
+    return False
+
+
+def _check_reference_ran(c: Checker, scenario: Scenario, ref_runs: dict[str, dict[str, Any]]) -> None:
+    """Every reference run of the scenario (but those resuming the strategy's checkpoints) completed."""
+    for run in scenario.runs:
+        if run.backend == "reference" and not (run.resume_from or "").startswith("strategy:"):
+            t = ref_runs.get(run.id)
+            if t is None or t["status"] != "ok":
+                c.fail(
+                    run_label("reference", run.id),
+                    "reference run",
+                    kind="premise",
+                    note=f"the reference itself failed: {error_line(t or {})}",
+                )
+
+
+def _judge_refusals(
+    c: Checker, scenario: Scenario, result: StrategyResult, strat: dict[str, dict[str, Any]]
+) -> tuple[set[str], list[str]]:
+    """Refusals before training: declared out only where the declaration says so; ``(dropped, declared_out)``.
+
+    A refusal of the other world size only drops that run (the checkpoint is
+    still verified at that world size under single).
+    """
+    own = result.ownership or {}
+    dropped: set[str] = set()
+    declared_out: list[str] = []
+    for run in scenario.runs:
+        t = strat.get(run.id) if run.backend == "strategy" else None
+        if t is None or t["status"] != "refused":
+            continue
+        world = result.alt_world_size if run.world == "alt" else result.world_size
+        reason, failure = judge_refusal(scenario, run, t, own, world)
+        dropped.add(run.id)
+        if failure is not None:
+            c.divergences.append(failure)
+        elif run.world == "alt":
+            c.checks.append(
+                f"strategy:{run.id} refused world size {world} ({reason}); the world-size change is "
+                "verified under single only"
+            )
+        else:
+            declared_out.append(f"strategy:{run.id} refused ({reason})")
+    return dropped, declared_out
+
+
+def _judge_run(
+    c: Checker,
+    scenario: Scenario,
+    run: Run,
+    result: StrategyResult,
+    ref_runs: dict[str, dict[str, Any]],
+    dropped: set[str],
+    buffers: list[str],
+) -> None:
+    """Every check of one run: its ranks, its accumulation, and against its twin, truth and same_as runs."""
+    from unison.conformance import sensitivity
+
+    label = run_label(run.backend, run.id)
+    strat = result.traces.get(scenario.name, {})
+    from_strategy = (run.resume_from or "").startswith("strategy:")
+    if run.backend == "strategy":
+        if run.id in dropped:
+            return
+        t = strat.get(run.id)
+        world_error = result.world_errors.get(run.world)
+    elif not from_strategy:
+        # Pure reference runs: only their own resume exactness is checked.
+        t = ref_runs.get(run.id)
+        if run.truth is not None and t is not None:
+            _compare_to_truth(c, run, label, t, ref_runs, buffers)
+        return
+    elif (run.resume_from or "").split(":", 1)[1] in dropped:
+        return
+    else:
+        t = result.reference_traces.get(scenario.name, {}).get(run.id)
+        world_error = None
+    if t is None:
+        c.fail(label, "run", note=f"did not execute: {world_error or 'no trace'}", kind="run")
+        return
+    if t["status"] != "ok":
+        c.fail(label, "run", note=f"{t['status']}: {error_line(t)}", kind="run")
+        return
+    check_rank_consistency(c, label, t)
+    if run.backend == "strategy":
+        sensitivity.check_probes(c, scenario, label, t)
+    check_accumulation(c, scenario, label, t, t.get("world_size", 1) > 1)
+    if run.twin is not None:
+        _compare_to_twin(c, scenario, run, label, t, ref_runs, buffers)
+    if run.truth is not None:
+        _compare_to_truth(c, run, label, t, ref_runs, buffers)
+    for other in run.same_as:
+        o = strat.get(other)
+        against = run_label("strategy", other)
+        if o is None or o["status"] != "ok":
+            c.fail(label, "same_as", note=f"strategy run {other!r} missing", kind="run")
+            continue
+        c.steps(label, t, o, against, exact_range=False)
+        c.state(label, t.get("state"), o.get("state"), against, track=False, buffers=buffers)
+    c.checks.append(_describe_run_checks(run))
+
+
+def _compare_to_twin(
+    c: Checker,
+    scenario: Scenario,
+    run: Run,
+    label: str,
+    t: dict[str, Any],
+    ref_runs: dict[str, dict[str, Any]],
+    buffers: list[str],
+) -> None:
+    """Against the reference run of the same shape: hooks, step counts, per-step numbers, buffers, final state."""
+    twin = ref_runs.get(run.twin or "")
+    against = run_label("reference", run.twin or "")
+    if twin is None or twin["status"] != "ok":
+        c.fail(label, "twin", note=f"reference run {run.twin!r} missing", kind="run")
+        return
+    hooks, twin_hooks = _comparable_hooks(t["hooks"]), _comparable_hooks(twin["hooks"])
+    if hooks != twin_hooks:
+        first = _first_difference(twin_hooks, hooks)
+        c.fail(
+            label,
+            "hook sequence",
+            expected=first[0],
+            got=first[1],
+            against=against,
+            kind="hooks",
+            note=f"first difference at call {first[2]}",
+        )
+    for key in ("optimizer_steps", "scheduler_steps"):
+        if t["counts"][key] != twin["counts"][key]:
+            c.fail(
+                label,
+                key.replace("_", " "),
+                expected=twin["counts"][key],
+                got=t["counts"][key],
+                against=against,
+                kind="counts",
+            )
+    c.steps(label, t, twin, against, exact_range=True)
+    if scenario.val_every:
+        check_validations(c, label, t, twin, against)
+    c.buffer_snapshots(label, t.get("buffer_snapshots"), twin.get("buffer_snapshots"), against)
+    c.state(label, t.get("state"), twin.get("state"), against, buffers=buffers)
 
 
 def _compare_to_truth(

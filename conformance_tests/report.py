@@ -136,14 +136,7 @@ class SuiteReport:
                 for world, err in r.world_errors.items():
                     first = err.splitlines()[0] if err else ""
                     console.print(f"[red]{r.name}: the {world} world failed:[/red] {first}")
-        notes = []
-        for r in self.results:
-            seen = set()
-            for v in self.verdicts[r.name].values():
-                if v.status in (DECLARED_OUT, SKIPPED, INCONCLUSIVE) and v.reason not in seen:
-                    seen.add(v.reason)
-                    scenarios = [n for n, w in self.verdicts[r.name].items() if w.reason == v.reason]
-                    notes.append(f"  {r.name} {status_label(v.status)} ({', '.join(scenarios)}): {v.reason}")
+        notes = self._not_proven_notes()
         if notes:
             console.print("[bold]Declared out and skipped, with the reasons:[/bold]")
             for line in notes:
@@ -155,6 +148,18 @@ class SuiteReport:
                 console.print(f"  {v.strategy} / {v.scenario}: {v.summary()[6:]}", markup=False, highlight=False)
                 if v.diagnosis is not None:
                     console.print(f"    diagnosis: {v.diagnosis.message()}", markup=False, highlight=False)
+
+    def _not_proven_notes(self) -> list[str]:
+        """One line per strategy and reason for cells declared out, skipped or inconclusive."""
+        notes = []
+        for r in self.results:
+            seen = set()
+            for v in self.verdicts[r.name].values():
+                if v.status in (DECLARED_OUT, SKIPPED, INCONCLUSIVE) and v.reason not in seen:
+                    seen.add(v.reason)
+                    scenarios = [n for n, w in self.verdicts[r.name].items() if w.reason == v.reason]
+                    notes.append(f"  {r.name} {status_label(v.status)} ({', '.join(scenarios)}): {v.reason}")
+        return notes
 
     # -- files -------------------------------------------------------------- #
     def to_dict(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Declared-behaviour checks: refusals allowed by the declaration, and precision declarations.
 
-Refusals. A run refused before ``fit`` starts the process group (the runner's
+Refusals. A run refused before ``fit`` starts the process group (the suite's
 ``refused`` status) is *declared out* only when the run needs something the
 strategy's declaration refuses: a :class:`~unison.ownership.Feature`, a
 precision, or the world size (:func:`~unison.conformance.spec.needs`).

@@ -18,21 +18,12 @@ from unison.ownership import AccumulationOwner, GradSync
 
 
 def check_accumulation(c: Checker, scenario: Scenario, label: str, trace: dict[str, Any], data_parallel: bool) -> None:
+    """Engine boundaries, or (trainer-owned, data-parallel) the gradient collectives of every rank, as declared."""
     owner = trace.get("accumulation_owner")
     a = scenario.accumulate_grad_batches
     n_steps = len(trace.get("steps", []))
     if owner == AccumulationOwner.ENGINE.value and a > 1:
-        expected = ([False] * (a - 1) + [True]) * n_steps
-        c.checks.append(f"{label}: engine boundary answered at the last of {a} micro-steps only")
-        for r, rt in enumerate(trace.get("ranks") or [trace]):
-            if rt.get("boundaries") != expected:
-                c.fail(
-                    label,
-                    f"is_accumulation_boundary() on rank {r}",
-                    expected=expected,
-                    got=rt.get("boundaries"),
-                    kind="boundary",
-                )
+        _check_engine_boundaries(c, label, trace, a, n_steps)
     if owner != AccumulationOwner.TRAINER.value or not data_parallel:
         return
     sync = trace.get("accumulation_sync", GradSync.BOUNDARY.value)
@@ -53,63 +44,11 @@ def check_accumulation(c: Checker, scenario: Scenario, label: str, trace: dict[s
         if not coll:
             c.fail(label, f"collective counts on rank {r}", note="not recorded", kind="sync")
             continue
-        micro = coll.get("gradient_sync_per_micro_step") or []
         if sync == GradSync.BOUNDARY.value:
             if a > 1:
-                expected_entries = (a - 1) * n_steps
-                if coll["no_sync_entries"] != expected_entries:
-                    c.fail(
-                        label,
-                        f"no_sync() entries on rank {r}",
-                        expected=expected_entries,
-                        got=coll["no_sync_entries"],
-                        kind="sync",
-                    )
-                if coll["gradient_sync_in_no_sync"]:
-                    c.fail(
-                        label,
-                        f"gradient collectives inside no_sync() on rank {r}",
-                        expected=0,
-                        got=coll["gradient_sync_in_no_sync"],
-                        kind="sync",
-                        note="declared GradSync.BOUNDARY: gradients must not be synchronised on non-boundary "
-                        "micro-steps",
-                    )
-                for step, counts in enumerate(micro):
-                    early = counts[:-1]
-                    if any(early):
-                        c.fail(
-                            label,
-                            f"gradient collectives before the last micro-step on rank {r}",
-                            step=step,
-                            expected=[0] * len(early),
-                            got=early,
-                            kind="sync",
-                            note="declared GradSync.BOUNDARY (synchronised at the boundary only)",
-                        )
-                        break
+                _check_boundary_sync(c, label, r, coll, a, n_steps)
         else:
-            if coll["no_sync_entries"]:
-                c.fail(
-                    label,
-                    f"no_sync() entries on rank {r}",
-                    expected=0,
-                    got=coll["no_sync_entries"],
-                    kind="sync",
-                    note="declared GradSync.EVERY_MICRO_STEP: the trainer enters no no_sync()",
-                )
-            for step, counts in enumerate(micro):
-                if len(counts) != a or not all(counts):
-                    c.fail(
-                        label,
-                        f"gradient collectives per micro-step on rank {r}",
-                        step=step,
-                        expected=f"{a} micro-steps, each >= 1",
-                        got=counts,
-                        kind="sync",
-                        note="declared GradSync.EVERY_MICRO_STEP (synchronised at every micro-step)",
-                    )
-                    break
+            _check_every_micro_step_sync(c, label, r, coll, a)
         for step, n in enumerate(coll["gradient_sync_per_step"]):
             if n < 1:
                 c.fail(
@@ -121,6 +60,83 @@ def check_accumulation(c: Checker, scenario: Scenario, label: str, trace: dict[s
                     kind="sync",
                     note="gradients were never synchronised",
                 )
+
+
+def _check_engine_boundaries(c: Checker, label: str, trace: dict[str, Any], a: int, n_steps: int) -> None:
+    """Engine-owned accumulation: ``is_accumulation_boundary()`` true at the last of ``a`` micro-steps only."""
+    expected = ([False] * (a - 1) + [True]) * n_steps
+    c.checks.append(f"{label}: engine boundary answered at the last of {a} micro-steps only")
+    for r, rt in enumerate(trace.get("ranks") or [trace]):
+        if rt.get("boundaries") != expected:
+            c.fail(
+                label,
+                f"is_accumulation_boundary() on rank {r}",
+                expected=expected,
+                got=rt.get("boundaries"),
+                kind="boundary",
+            )
+
+
+def _check_boundary_sync(c: Checker, label: str, r: int, coll: dict[str, Any], a: int, n_steps: int) -> None:
+    """GradSync.BOUNDARY on rank ``r``: no_sync() on every non-boundary micro-step, no gradient collective in it."""
+    micro = coll.get("gradient_sync_per_micro_step") or []
+    expected_entries = (a - 1) * n_steps
+    if coll["no_sync_entries"] != expected_entries:
+        c.fail(
+            label,
+            f"no_sync() entries on rank {r}",
+            expected=expected_entries,
+            got=coll["no_sync_entries"],
+            kind="sync",
+        )
+    if coll["gradient_sync_in_no_sync"]:
+        c.fail(
+            label,
+            f"gradient collectives inside no_sync() on rank {r}",
+            expected=0,
+            got=coll["gradient_sync_in_no_sync"],
+            kind="sync",
+            note="declared GradSync.BOUNDARY: gradients must not be synchronised on non-boundary micro-steps",
+        )
+    for step, counts in enumerate(micro):
+        early = counts[:-1]
+        if any(early):
+            c.fail(
+                label,
+                f"gradient collectives before the last micro-step on rank {r}",
+                step=step,
+                expected=[0] * len(early),
+                got=early,
+                kind="sync",
+                note="declared GradSync.BOUNDARY (synchronised at the boundary only)",
+            )
+            break
+
+
+def _check_every_micro_step_sync(c: Checker, label: str, r: int, coll: dict[str, Any], a: int) -> None:
+    """GradSync.EVERY_MICRO_STEP on rank ``r``: no no_sync(), gradient collectives at every micro-step."""
+    micro = coll.get("gradient_sync_per_micro_step") or []
+    if coll["no_sync_entries"]:
+        c.fail(
+            label,
+            f"no_sync() entries on rank {r}",
+            expected=0,
+            got=coll["no_sync_entries"],
+            kind="sync",
+            note="declared GradSync.EVERY_MICRO_STEP: the trainer enters no no_sync()",
+        )
+    for step, counts in enumerate(micro):
+        if len(counts) != a or not all(counts):
+            c.fail(
+                label,
+                f"gradient collectives per micro-step on rank {r}",
+                step=step,
+                expected=f"{a} micro-steps, each >= 1",
+                got=counts,
+                kind="sync",
+                note="declared GradSync.EVERY_MICRO_STEP (synchronised at every micro-step)",
+            )
+            break
 
 
 def check_same_sync(c: Checker, scenario: Scenario, result: StrategyResult) -> None:
