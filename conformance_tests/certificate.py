@@ -1,10 +1,10 @@
 """Certificates: what a strategy proved, and the environment it was proven in.
 
-
 A strategy is *certified* when it ran, no scenario failed, none was
 inconclusive and at least one training scenario was proven; the certificate
 lists which scenarios were proven, which were declared out and which were
 inconclusive (listed separately: an inconclusive scenario is neither proven nor
+failed, and it withholds the certificate).
 """
 
 from __future__ import annotations

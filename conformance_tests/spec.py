@@ -1,17 +1,16 @@
 """What a scenario and a run are, and what a run asks of a strategy.
 
-Each :class:`Scenario` fixes a tiny model, a dataset, an optimizer, the trainer
-settings and a list of :class:`Run` values: the fits to execute under the
-reference (``single``) and under the strategy being certified, and which runs
-must agree with which. The runner executes the runs, the comparison applies the
-checks; this module only *describes*.
-
-
-
+Each :class:`Scenario` fixes a tiny model (:mod:`unison.conformance.models`), a
+dataset (:mod:`unison.conformance.data`), an optimizer, the trainer settings and
+a list of :class:`Run` values: the fits to execute under the reference
+(``single``) and under the strategy being certified, and which runs must agree
+with which. The suite executes the runs, the comparison applies the checks;
+this module only *describes*.
 
 What a run asks of a strategy (:func:`needs`) is derived from the same
 description: the batch form, accumulation, clipping, resume, the model's
 features (:func:`unison.strategy.model_features`) and the precision. The
+comparison accepts a refusal only when one of those is declared refused.
 """
 
 from __future__ import annotations

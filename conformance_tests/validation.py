@@ -9,7 +9,7 @@ stand-in's loss into the mean, moves ``val/loss`` by about a percent (measured
 by the suite's own broken strategies), three orders of magnitude above the
 fp32 tolerance.
 
-The runner records every ``unison_on_validation_end`` (step and ``val/loss``)
+The suite records every ``unison_on_validation_end`` (step and ``val/loss``)
 as the trace's ``validations``; :func:`check_validations` compares them with
 the reference twin's, step by step.
 """
