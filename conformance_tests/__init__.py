@@ -19,8 +19,8 @@ process; phases in :mod:`~unison.conformance.worlds`, one fit in
 :mod:`~unison.conformance.execution`, traces in :mod:`~unison.conformance.trace`),
 :mod:`~unison.conformance.compare` (judging a scenario; the checks in
 :mod:`~unison.conformance.checks`, tolerances and verdicts in
-:mod:`~unison.conformance.verdict`), :mod:`~unison.conformance.diagnose` (the
-likely broken rule of a failed scenario), :mod:`~unison.conformance.certify`
+:mod:`~unison.conformance.verdict`), :mod:`~unison.conformance.diagnosis.table` (the
+likely broken rule of a failed scenario), :mod:`~unison.conformance.certification`
 (run, judge, report), :mod:`~unison.conformance.report` (table, JSON, HTML from a
 template; certificates in :mod:`~unison.conformance.certificate`, SVG plots in
 :mod:`~unison.conformance.plots`), :mod:`~unison.conformance.cli` and
@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "certify": "unison.conformance.certify",
+    "certify": "unison.conformance.certification",
     "SuiteReport": "unison.conformance.report",
     "Suite": "unison.conformance.suite",
     "StrategyResult": "unison.conformance.suite",
@@ -47,8 +47,8 @@ _EXPORTS = {
     "Verdict": "unison.conformance.verdict",
     "Divergence": "unison.conformance.verdict",
     "TOLERANCES": "unison.conformance.verdict",
-    "Diagnosis": "unison.conformance.diagnose",
-    "diagnose": "unison.conformance.diagnose",
+    "Diagnosis": "unison.conformance.diagnosis.table",
+    "diagnose": "unison.conformance.diagnosis.table",
     "Certificate": "unison.conformance.certificate",
     "SCENARIOS": "unison.conformance.scenarios",
     "Scenario": "unison.conformance.spec",

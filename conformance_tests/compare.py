@@ -3,7 +3,7 @@
 A strategy passes (*proves*) a scenario when every check below holds; every
 failed check is a :class:`Divergence` naming the scenario, the run, the
 quantity, the step and both values, and every failed scenario gets a
-:class:`~unison.conformance.diagnose.Diagnosis` naming the likely broken rule.
+:class:`~unison.conformance.diagnosis.table.Diagnosis` naming the likely broken rule.
 
 What is compared (see :mod:`unison.conformance.spec` for the run roles):
 
@@ -98,7 +98,7 @@ def judge_scenario(
 ) -> Verdict:
     """The verdict of ``scenario`` for the strategy measured in ``result``."""
     from unison.conformance import sensitivity
-    from unison.conformance.diagnose import diagnose
+    from unison.conformance.diagnosis.table import diagnose
 
     v = Verdict(scenario.name, result.name, PASS, precision=scenario.precision)
     if _settled_without_comparing(scenario, result, v):

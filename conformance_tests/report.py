@@ -1,6 +1,6 @@
 """The report a platform team attaches to a review: terminal table, JSON, HTML.
 
-:func:`~unison.conformance.certify.certify` runs the suite for some strategies and returns a
+:func:`~unison.conformance.certification.certify` runs the suite for some strategies and returns a
 :class:`SuiteReport`; :meth:`SuiteReport.write` produces
 
 * ``report.json``: the certificate of every strategy (``certified`` or ``not

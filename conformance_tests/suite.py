@@ -2,7 +2,7 @@
 
 :class:`Suite` runs the phases of :mod:`unison.conformance.worlds` for each strategy and
 returns a :class:`StrategyResult` (traces, declarations, wall times); judging and reporting
-are :mod:`unison.conformance.compare` and :mod:`unison.conformance.certify`.
+are :mod:`unison.conformance.compare` and :mod:`unison.conformance.certification`.
 """
 
 from __future__ import annotations

@@ -272,7 +272,7 @@ def test_teardown_releases_the_optimizers_gradient_hooks(world):
 
 
 def test_conformance_suite_certifies_the_adam_scenarios_and_refuses_sgd_before_training(tmp_path_factory):
-    from unison.conformance.certify import certify
+    from unison.conformance.certification import certify
     from unison.conformance.suite import Suite
 
     with Suite(

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 import unison
-from unison.conformance.certify import certify
+from unison.conformance.certification import certify
 from unison.conformance.compare import judge_scenario
 from unison.conformance.report import SuiteReport
 from unison.conformance.scenarios import SCENARIOS, SCENARIOS_BY_NAME

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from unison.conformance.certify import certify
+from unison.conformance.certification import certify
 from unison.conformance.data import Sizing
 from unison.conformance.execution import execute_run
 from unison.conformance.report import SuiteReport

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unison.conformance.certify import certify
+from unison.conformance.certification import certify
 from unison.conformance.data import BACKOFF_STEPS
 from unison.conformance.mutation import score
 from unison.conformance.report import SuiteReport

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from unison.conformance.certificate import build_certificate
-from unison.conformance.certify import certify
+from unison.conformance.certification import certify
 from unison.conformance.compare import judge_scenario
 from unison.conformance.data import Sizing
 from unison.conformance.execution import execute_run, make_plugin_manager

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from unison.conformance.certify import certify
+from unison.conformance.certification import certify
 from unison.conformance.report import SuiteReport
 from unison.conformance.suite import Suite
 from unison.conformance.verdict import FAIL, PASS

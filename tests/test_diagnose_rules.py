@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from unison.conformance.diagnose import RULES, diagnose
 from unison.conformance.diagnosis import declared, resume, scale, update
 from unison.conformance.diagnosis.evidence import Evidence
+from unison.conformance.diagnosis.table import RULES, diagnose
 from unison.conformance.models import build_model
 from unison.conformance.scenarios import SCENARIOS_BY_NAME
 from unison.conformance.verdict import Divergence
@@ -283,3 +283,17 @@ def test_diagnose_builds_the_diagnosis_from_the_finding() -> None:
     d = diagnose(e.scenario, e.divergences, e.result, e.reference)
     assert d is not None and (d.rule, d.run, d.step, d.quantity) == ("averaged_twice", "strategy:main", 1, "grad norm")
     assert d.message().startswith("gradients averaged twice: first seen in grad norm at step 1 (strategy:main).")
+
+
+def test_the_package_exports_the_objects_not_modules_of_the_same_name() -> None:
+    # A submodule named like an exported function would shadow it once imported
+    # (``from unison.conformance import diagnose`` would give the module).
+    import importlib
+
+    import unison.conformance as package
+
+    for name, module in package._EXPORTS.items():
+        importlib.import_module(module)
+        value = getattr(package, name)
+        assert not isinstance(value, types.ModuleType), name
+        assert value is getattr(importlib.import_module(module), name)

@@ -128,7 +128,7 @@ def judge_declarations(scenario: Scenario, result: StrategyResult, v: Verdict) -
         v.reason = "no precision declared unsupported; every declared one is accepted"
     v = finish(v, c)
     if v.status == FAIL:
-        from unison.conformance.diagnose import diagnose
+        from unison.conformance.diagnosis.table import diagnose
 
         v.diagnosis = diagnose(scenario, v.divergences, result, {})
     return v

@@ -1,6 +1,6 @@
 """The diagnosis rules, grouped by the evidence they read.
 
-:func:`unison.conformance.diagnose.diagnose` walks its table of these rules in
+:func:`unison.conformance.diagnosis.table.diagnose` walks its table of these rules in
 order of precedence; each rule is a small function of the
 :class:`~unison.conformance.diagnosis.evidence.Evidence` that returns a finding
 (the diagnosis rule's name, the divergence that shows it, why) or ``None``.
