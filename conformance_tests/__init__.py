@@ -11,14 +11,20 @@ or from Python::
     report = certify(["ddp"], world_size=2, report_dir="conformance-report")
     report.print_table()
 
-Modules: :mod:`~unison.conformance.scenarios` (what is trained),
-:mod:`~unison.conformance.runner` (one world per strategy, the reference in
-this process, traces), :mod:`~unison.conformance.compare` (tolerances and
-checks, declared refusals), :mod:`~unison.conformance.diagnose` (the likely
-broken rule of a failed scenario), :mod:`~unison.conformance.report`
-(certificates, table, JSON, HTML from a template with SVG plots),
-:mod:`~unison.conformance.cli` and :mod:`~unison.conformance.pytest_plugin`
-(entry points).
+Modules: :mod:`~unison.conformance.scenarios` (the scenario table; what a
+scenario is in :mod:`~unison.conformance.spec`, its models and data in
+:mod:`~unison.conformance.models` and :mod:`~unison.conformance.data`),
+:mod:`~unison.conformance.suite` (one world per strategy, the reference in this
+process; phases in :mod:`~unison.conformance.worlds`, one fit in
+:mod:`~unison.conformance.execution`, traces in :mod:`~unison.conformance.trace`),
+:mod:`~unison.conformance.compare` (judging a scenario; the checks in
+:mod:`~unison.conformance.checks`, tolerances and verdicts in
+:mod:`~unison.conformance.verdict`), :mod:`~unison.conformance.diagnosis.table` (the
+likely broken rule of a failed scenario), :mod:`~unison.conformance.certification`
+(run, judge, report), :mod:`~unison.conformance.report` (table, JSON, HTML from a
+template; certificates in :mod:`~unison.conformance.certificate`, SVG plots in
+:mod:`~unison.conformance.plots`), :mod:`~unison.conformance.cli` and
+:mod:`~unison.conformance.pytest_plugin` (entry points).
 
 Strategies are found only through the plugin registry
 (``unison.PluginManager().strategies``), never imported by name, so a newly
@@ -33,19 +39,19 @@ from __future__ import annotations
 from typing import Any
 
 _EXPORTS = {
-    "certify": "unison.conformance.report",
+    "certify": "unison.conformance.certification",
     "SuiteReport": "unison.conformance.report",
-    "Suite": "unison.conformance.runner",
-    "StrategyResult": "unison.conformance.runner",
+    "Suite": "unison.conformance.suite",
+    "StrategyResult": "unison.conformance.suite",
     "judge": "unison.conformance.compare",
-    "Verdict": "unison.conformance.compare",
-    "Divergence": "unison.conformance.compare",
-    "TOLERANCES": "unison.conformance.compare",
-    "Diagnosis": "unison.conformance.diagnose",
-    "diagnose": "unison.conformance.diagnose",
-    "Certificate": "unison.conformance.report",
+    "Verdict": "unison.conformance.verdict",
+    "Divergence": "unison.conformance.verdict",
+    "TOLERANCES": "unison.conformance.verdict",
+    "Diagnosis": "unison.conformance.diagnosis.table",
+    "diagnose": "unison.conformance.diagnosis.table",
+    "Certificate": "unison.conformance.certificate",
     "SCENARIOS": "unison.conformance.scenarios",
-    "Scenario": "unison.conformance.scenarios",
+    "Scenario": "unison.conformance.spec",
 }
 
 __all__ = list(sorted(_EXPORTS))

@@ -103,7 +103,7 @@ def _command() -> Any:
         """Run the conformance suite: each strategy against the single-process reference."""
         from rich.console import Console
 
-        from unison.conformance.report import certify
+        from unison.conformance.certification import certify
 
         # One thread per rank: the ranks of a world share this machine's cores.
         os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -81,7 +81,7 @@ class ConformanceSession:
     @property
     def suite(self) -> Any:
         if self._suite is None:
-            from unison.conformance.runner import Suite
+            from unison.conformance.suite import Suite
 
             os.environ.setdefault("OMP_NUM_THREADS", "1")
             self._suite = Suite(

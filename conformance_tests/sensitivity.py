@@ -30,7 +30,7 @@ a scenario whose precision is ``*-mixed``, on every rank:
   weights never move.
 
 A probe that sees another dtype fails the scenario with a
-:class:`~unison.conformance.compare.Divergence` of kind ``precision`` whose
+:class:`~unison.conformance.verdict.Divergence` of kind ``precision`` whose
 deviation is the ratio of the two dtypes' unit roundoffs (65536 between bf16
 and fp32) over a tolerance of 1 (the same dtype); the diagnosis rule is
 ``precision_not_applied``.
@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from unison.conformance.scenarios import FP32, PRECISION_CONTROL, Scenario
+from unison.conformance.scenarios import PRECISION_CONTROL
+from unison.conformance.spec import FP32, Scenario
 
 #: The smallest effect / tolerance at which a precision scenario proves anything.
 SENSITIVITY_MIN = 10.0
@@ -133,7 +134,7 @@ class Sensitivity:
 
 
 def _max_rel_loss(a: Iterable[dict[str, Any]], b: Iterable[dict[str, Any]]) -> float:
-    from unison.conformance.compare import RELATIVE_FLOOR
+    from unison.conformance.verdict import RELATIVE_FLOOR
 
     worst = 0.0
     for x, y in zip(a, b):
@@ -146,7 +147,7 @@ def _max_rel_loss(a: Iterable[dict[str, Any]], b: Iterable[dict[str, Any]]) -> f
 
 def measure(scenario: Scenario, ref_runs: dict[str, dict[str, Any]], tol: Any) -> Sensitivity | None:
     """The sensitivity of ``scenario`` from its reference runs; ``None`` when it trains in fp32 or has no control."""
-    from unison.conformance.compare import state_deviation
+    from unison.conformance.checks.numeric import state_deviation
 
     if scenario.precision == FP32 or not any(
         r.backend == "reference" and r.id == PRECISION_CONTROL for r in scenario.runs
@@ -289,7 +290,7 @@ def diagnose_precision(
     scenario: Scenario, divergences: list[Any], strat: dict[str, dict[str, Any]], ref_runs: dict[str, dict[str, Any]]
 ) -> tuple[Any, str]:
     """The deciding divergence and the explanation of rule ``precision_not_applied``."""
-    from unison.conformance.compare import state_deviation
+    from unison.conformance.checks.numeric import state_deviation
 
     d = divergences[0]
     masters = "master weights" in d.quantity

@@ -9,7 +9,7 @@ stand-in's loss into the mean, moves ``val/loss`` by about a percent (measured
 by the suite's own broken strategies), three orders of magnitude above the
 fp32 tolerance.
 
-The runner records every ``unison_on_validation_end`` (step and ``val/loss``)
+The suite records every ``unison_on_validation_end`` (step and ``val/loss``)
 as the trace's ``validations``; :func:`check_validations` compares them with
 the reference twin's, step by step.
 """
@@ -28,7 +28,7 @@ VAL_SIZE = 25
 
 def validation_data() -> TensorDataset:
     """Held-out regression samples (another seed than the training data), per-sample losses far apart."""
-    from unison.conformance.scenarios import regression_data
+    from unison.conformance.data import regression_data
 
     x, y = regression_data(VAL_SIZE, seed=321).tensors
     # Targets spread over a wide range: per-replica means differ, so any mean

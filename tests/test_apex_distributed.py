@@ -272,8 +272,8 @@ def test_teardown_releases_the_optimizers_gradient_hooks(world):
 
 
 def test_conformance_suite_certifies_the_adam_scenarios_and_refuses_sgd_before_training(tmp_path_factory):
-    from unison.conformance.report import certify
-    from unison.conformance.runner import Suite
+    from unison.conformance.certification import certify
+    from unison.conformance.suite import Suite
 
     with Suite(
         world_size=2, plugins=["apex_standin.plugin"], workdir=tmp_path_factory.mktemp("apex-suite"), timeout=300

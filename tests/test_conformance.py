@@ -29,10 +29,12 @@ from pathlib import Path
 import pytest
 
 import unison
-from unison.conformance.compare import DECLARED_OUT, TOLERANCES, judge_scenario
-from unison.conformance.report import SuiteReport, certify
-from unison.conformance.runner import Suite
+from unison.conformance.certification import certify
+from unison.conformance.compare import judge_scenario
+from unison.conformance.report import SuiteReport
 from unison.conformance.scenarios import SCENARIOS, SCENARIOS_BY_NAME
+from unison.conformance.suite import Suite
+from unison.conformance.verdict import DECLARED_OUT, TOLERANCES
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 

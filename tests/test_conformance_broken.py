@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from unison.conformance.compare import DECLARED_OUT, FAIL, PASS
-from unison.conformance.report import SuiteReport, certify
-from unison.conformance.runner import Suite, execute_run
-from unison.conformance.scenarios import SCENARIOS_BY_NAME, Sizing
+from unison.conformance.certification import certify
+from unison.conformance.data import Sizing
+from unison.conformance.execution import execute_run
+from unison.conformance.report import SuiteReport
+from unison.conformance.scenarios import SCENARIOS_BY_NAME
+from unison.conformance.suite import Suite
+from unison.conformance.verdict import DECLARED_OUT, FAIL, PASS
 
 from helpers import suite_report_dir
 

@@ -20,11 +20,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from unison.conformance.compare import DECLARED_OUT, FAIL, PASS
+from unison.conformance.certification import certify
+from unison.conformance.data import BACKOFF_STEPS
 from unison.conformance.mutation import score
-from unison.conformance.report import SuiteReport, certify
-from unison.conformance.runner import Suite
-from unison.conformance.scenarios import BACKOFF_STEPS, SCENARIOS_BY_NAME
+from unison.conformance.report import SuiteReport
+from unison.conformance.scenarios import SCENARIOS_BY_NAME
+from unison.conformance.suite import Suite
+from unison.conformance.verdict import DECLARED_OUT, FAIL, PASS
 
 from helpers import suite_report_dir
 

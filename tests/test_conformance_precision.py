@@ -18,12 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from unison.conformance.compare import FAIL, INCONCLUSIVE, PASS, judge_scenario, tolerance_for
+from unison.conformance.certificate import build_certificate
+from unison.conformance.certification import certify
+from unison.conformance.compare import judge_scenario
+from unison.conformance.data import Sizing
+from unison.conformance.execution import execute_run, make_plugin_manager
 from unison.conformance.mutation import score
-from unison.conformance.report import SuiteReport, _certificate, certify
-from unison.conformance.runner import StrategyResult, Suite, execute_run, make_plugin_manager
-from unison.conformance.scenarios import PRECISION_CONTROL, SCENARIOS_BY_NAME, Sizing
+from unison.conformance.report import SuiteReport
+from unison.conformance.scenarios import PRECISION_CONTROL, SCENARIOS_BY_NAME
 from unison.conformance.sensitivity import SENSITIVITY_MIN
+from unison.conformance.suite import StrategyResult, Suite
+from unison.conformance.verdict import FAIL, INCONCLUSIVE, PASS, tolerance_for
 
 from helpers import suite_report_dir
 
@@ -160,7 +165,7 @@ def test_a_scenario_whose_effect_is_below_ten_times_its_tolerance_is_inconclusiv
     assert not v.sensitivity["conclusive"] and v.sensitivity["ratio"] < SENSITIVITY_MIN
     assert "inconclusive: the effect the scenario exists to see is only" in v.reason
     assert PRECISION_CONTROL in v.sensitivity["control"]
-    cert = _certificate(result, {scenario.name: v}, 1)
+    cert = build_certificate(result, {scenario.name: v}, 1)
     assert not cert.certified and cert.label == "not certified"
     assert [n for n, _ in cert.inconclusive] == [scenario.name] and not cert.proven and not cert.failed
     assert "inconclusive" in cert.summary

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from unison.conformance.compare import FAIL, PASS
-from unison.conformance.report import SuiteReport, certify
-from unison.conformance.runner import Suite
+from unison.conformance.certification import certify
+from unison.conformance.report import SuiteReport
+from unison.conformance.suite import Suite
+from unison.conformance.verdict import FAIL, PASS
 
 from helpers import suite_report_dir
 

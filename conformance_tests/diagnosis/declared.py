@@ -1,0 +1,71 @@
+"""Rules for divergences the comparison already named: refusals, errors, declarations, premises, precision.
+
+Each names the first divergence of its kind; they come first in the table
+because any numeric pattern after them would be a consequence.
+"""
+
+from __future__ import annotations
+
+from unison.conformance.diagnosis.evidence import Evidence, Finding
+
+
+def undeclared_refusal(e: Evidence) -> Finding | None:
+    """The strategy refused something its declaration supports."""
+    if "refusal" not in e.by_kind:
+        return None
+    d = e.by_kind["refusal"][0]
+    return "undeclared_refusal", d, d.note or "the refusal is not in the strategy's declaration"
+
+
+def run_error(e: Evidence) -> Finding | None:
+    """A run raised after setup started (or its world died)."""
+    if "run" not in e.by_kind:
+        return None
+    d = e.by_kind["run"][0]
+    return "error", d, d.note or "the run did not complete"
+
+
+def declaration(e: Evidence) -> Finding | None:
+    """A precision declaration the Trainer does not honour."""
+    if "declaration" not in e.by_kind:
+        return None
+    d = e.by_kind["declaration"][0]
+    return "declaration", d, d.note or "the Trainer did not act as the declaration says"
+
+
+def premise(e: Evidence) -> Finding | None:
+    """The reference itself broke the scenario's premise (a suite problem, whatever the strategy does)."""
+    if "premise" not in e.by_kind:
+        return None
+    return (
+        "premise",
+        e.by_kind["premise"][0],
+        "the reference run broke the scenario's premise: the scenario proves nothing "
+        "until the suite is fixed, whatever the strategy does",
+    )
+
+
+def precision_not_applied(e: Evidence) -> Finding | None:
+    """A precision probe saw another dtype than the declared precision (:mod:`unison.conformance.sensitivity`)."""
+    if "precision" not in e.by_kind:
+        return None
+    from unison.conformance.sensitivity import diagnose_precision
+
+    d, why = diagnose_precision(e.scenario, e.by_kind["precision"], e.strat, e.reference.get(e.scenario.name, {}))
+    return "precision_not_applied", d, why
+
+
+def validation(e: Evidence) -> Finding | None:
+    """Only val/loss differs: it is not the per-sample mean over every replica."""
+    if not all(d.kind == "validation" for d in e.divergences):
+        return None
+    return (
+        "validation",
+        e.first,
+        "training matches the reference but val/loss does not: it is not the per-sample mean over every "
+        "replica (each replica's mean averaged, or a zero-weight stand-in batch counted); the strategy's "
+        "reduce_sum must sum the (loss * weight, weight) pair over replicas",
+    )
+
+
+__all__ = ["declaration", "precision_not_applied", "premise", "run_error", "undeclared_refusal", "validation"]

@@ -1,0 +1,152 @@
+"""Rules for a gradient scale error, read from grad-norm ratios (strategy / reference) with the loss equal.
+
+A ratio of 1 / world size means gradients averaged twice, the world size
+summed and never averaged, 1 / or x accumulate_grad_batches the loss divided
+twice or never for accumulation; one fixed divisor behind the ratios at two
+world sizes is a hard-coded divisor; a ratio in (1, sqrt 2] on a model with
+tied weights is the tied weight counted once per name.
+"""
+
+from __future__ import annotations
+
+import math
+
+from unison.conformance.diagnosis.evidence import RATIO_MATCH, Evidence, Finding, close
+from unison.conformance.verdict import Divergence
+
+
+def hard_coded_divisor(e: Evidence) -> Finding | None:
+    """One fixed divisor D (not 1) explains the grad-norm ratios at two or more world sizes: ratio = world / D."""
+    worlds: dict[int, list[str]] = {}
+    for run in e.scenario.runs:
+        t = e.trace_of(f"strategy:{run.id}") if run.backend == "strategy" else None
+        if t is not None and t.get("status") == "ok":
+            worlds.setdefault(int(t.get("world_size", 1) or 1), []).append(f"strategy:{run.id}")
+    if len(worlds) < 2:
+        return None
+    divisors: dict[int, tuple[float, Divergence | None]] = {}
+    for world, labels in worlds.items():
+        mine = [d for d in e.divergences if d.run in labels and d.kind not in ("rank",)]
+        if not mine:
+            divisors[world] = (float(world), None)
+            continue
+        first = min(mine, key=lambda d: math.inf if d.step is None else d.step)
+        ratio = _ratio(first)
+        if ratio is None:
+            return None
+        same_step_loss = [d for d in mine if d.run == first.run and d.kind == "loss" and d.step == first.step]
+        if same_step_loss:
+            return None
+        divisors[world] = (world / ratio, first)
+    values = [v for v, _ in divisors.values()]
+    divisor = values[0]
+    if abs(divisor - 1) <= RATIO_MATCH or any(abs(v - divisor) > RATIO_MATCH * divisor for v in values):
+        return None
+    shown = [(w, d) for w, (_, d) in sorted(divisors.items()) if d is not None]
+    if not shown:
+        return None
+    _, d = shown[0]
+    per_world = ", ".join(
+        f"world {w}: " + ("matches" if x is None else f"{x.got / x.expected:.4g}x")
+        for w, (_, x) in sorted(divisors.items())
+    )
+    return (
+        "hard_coded_divisor",
+        d,
+        f"the grad norm relative to the reference's is world size / {divisor:.3g} at every world size the "
+        f"strategy ran ({per_world}): the summed gradients are divided by a fixed {divisor:.3g}, not by the world "
+        "size (often with the all-reduce skipped at world size 1)",
+    )
+
+
+def _ratio(d: Divergence) -> float | None:
+    if d.kind == "grad_norm" and isinstance(d.got, float) and isinstance(d.expected, float) and d.expected:
+        return d.got / d.expected
+    return None
+
+
+def gradient_scale(e: Evidence) -> Finding | None:
+    """The first grad-norm ratio is 1/world, world, 1/accumulation or accumulation (the loss equal before)."""
+    found = e.first_norm_ratio
+    if found is None:
+        return None
+    d, ratio = found
+    world = (e.trace_of(d.run) or {}).get("world_size", getattr(e.result, "world_size", 1)) or 1
+    match = ratio_pattern(ratio, world, e.scenario.accumulate_grad_batches)
+    if match is None:
+        return None
+    rule, why = match
+    return (
+        rule,
+        d,
+        f"with the loss equal, the global grad norm is {ratio:.4g}x the reference's "
+        f"(reference/strategy {1 / ratio:.4g}), which is {why}",
+    )
+
+
+def ratio_pattern(ratio: float, world: int, accumulation: int) -> tuple[str, str] | None:
+    """The scale error a strategy/reference grad-norm ratio points at (rule, why), or ``None``."""
+    candidates: list[tuple[str, str]] = []
+    if world > 1 and close(ratio, 1 / world):
+        candidates.append(
+            (
+                "averaged_twice",
+                f"1/world size = 1/{world}: the gradients were divided by the world "
+                "size twice (e.g. an averaging all-reduce of a loss already averaged, "
+                "or averaging twice)",
+            )
+        )
+    if world > 1 and close(ratio, world):
+        candidates.append(
+            (
+                "summed",
+                f"the world size {world}: the gradients were summed over replicas and never divided by the world size",
+            )
+        )
+    if accumulation > 1 and close(ratio, 1 / accumulation):
+        candidates.append(
+            (
+                "accumulation_scale",
+                f"1/accumulate_grad_batches = 1/{accumulation}: the loss was "
+                "divided for accumulation twice (trainer and engine both)",
+            )
+        )
+    if accumulation > 1 and close(ratio, accumulation):
+        candidates.append(
+            (
+                "accumulation_scale",
+                f"accumulate_grad_batches = {accumulation}: the micro-batch "
+                "losses were summed, never divided for accumulation",
+            )
+        )
+    if not candidates:
+        return None
+    return candidates[0][0], " or ".join(why for _, why in candidates)
+
+
+def tied_weight_twice(e: Evidence) -> Finding | None:
+    """Tied weights, and the first grad norm 1 to sqrt 2 times the reference's with the loss equal at that step."""
+    from unison.conformance.models import build_model
+    from unison.contract.ownership import Feature
+    from unison.contract.strategy import model_features
+
+    found = e.first_norm_ratio
+    if found is None:
+        return None
+    d, ratio = found
+    if any(x.run == d.run and x.step == d.step for x in e.losses):
+        return None
+    if Feature.TIED_WEIGHTS not in model_features(build_model(e.scenario.model)):
+        return None
+    if not 1.0 < ratio <= math.sqrt(2) * (1 + RATIO_MATCH):
+        return None
+    return (
+        "tied_weight_twice",
+        d,
+        f"with the loss equal, the global grad norm is {ratio:.4g}x the reference's, in (1, sqrt 2]: the model "
+        "ties one weight under two names and its gradient was counted once per name (a norm over "
+        "named_parameters(remove_duplicate=False), or over both copies of an untied replica)",
+    )
+
+
+__all__ = ["gradient_scale", "hard_coded_divisor", "ratio_pattern", "tied_weight_twice"]

@@ -1,0 +1,187 @@
+"""What a scenario and a run are, and what a run asks of a strategy.
+
+Each :class:`Scenario` fixes a tiny model (:mod:`unison.conformance.models`), a
+dataset (:mod:`unison.conformance.data`), an optimizer, the trainer settings and
+a list of :class:`Run` values: the fits to execute under the reference
+(``single``) and under the strategy being certified, and which runs must agree
+with which. The suite executes the runs, the comparison applies the checks;
+this module only *describes*.
+
+What a run asks of a strategy (:func:`needs`) is derived from the same
+description: the batch form, accumulation, clipping, resume, the model's
+features (:func:`unison.contract.strategy.model_features`) and the precision. The
+comparison accepts a refusal only when one of those is declared refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from torch.utils.data import Dataset, TensorDataset
+
+from unison.conformance.data import DictRegression, Sizing, backoff_data, overflow_data, regression_data
+from unison.conformance.models import _OPTIMIZER_CLASSES, OUTPUT_OFFSET, Perturbation, build_model
+from unison.contract.ownership import Feature
+from unison.contract.strategy import model_features
+
+#: The precision each scenario trains in, and the precisions the suite knows tolerances for.
+FP32, BF16_MIXED, FP16_MIXED = "32-true", "bf16-mixed", "16-mixed"
+
+
+Backend = Literal["reference", "strategy"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One ``fit`` inside a scenario.
+
+    ``twin`` names the reference run of the same shape (same steps, fresh or
+    resumed): a strategy run must reproduce its hook sequence, step counts,
+    per-step numbers and final canonical state. ``truth`` names an
+    uninterrupted reference run whose per-step numbers (matched by step index:
+    a resumed run covers only the steps after its checkpoint) and, when both
+    end at the same step, final state this run must reproduce; reference runs
+    with a truth are checked too (a strategy's checkpoint resumed under
+    ``single`` is a reference-backend run). ``same_as`` names strategy runs
+    this one must equal (save -> resume equals uninterrupted).
+
+    ``resume_from`` names the run whose checkpoint this one resumes:
+    ``"part"`` (same backend) or ``"reference:part"`` / ``"strategy:part"``.
+    """
+
+    id: str
+    backend: Backend
+    #: ``"main"``: the world being certified; ``"alt"``: the reshard world size.
+    world: Literal["main", "alt"] = "main"
+    max_steps: int | None = None
+    #: Write a checkpoint at the end of this run (others resume from it).
+    save: bool = False
+    #: Resume from the checkpoint of this run (of the same scenario).
+    resume_from: str | None = None
+    truth: str | None = None
+    twin: str | None = None
+    same_as: tuple[str, ...] = ()
+    #: Trainer settings this run changes (e.g. the unclipped control run).
+    overrides: tuple[tuple[str, Any], ...] = ()
+    #: Perturb this on every rank but 0 before handing the model to the trainer.
+    perturb: Perturbation | None = None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    model: str = "mlp"
+    precision: str = FP32
+    accumulate_grad_batches: int = 1
+    grad_clip_norm: float | None = None
+    optimizer: str = "adamw"
+    scheduler: str | None = None
+    max_steps: int = 6
+    data: Literal["regression", "overflow", "dict", "offset", "backoff"] = "regression"
+    #: The batch form: ``(inputs, targets)`` with ``loss_fn``, or dict batches with ``training_step``.
+    form: Literal["loss_fn", "training_step"] = "loss_fn"
+    shuffle: bool = True
+    #: Save a checkpoint every N steps in every run; the canonical buffers are
+    #: recorded at each one and compared with the reference's at the same step.
+    checkpoint_every: int | None = None
+    #: Validate every N steps (and at the end) on :func:`~unison.conformance.validation.validation_data`;
+    #: ``val/loss`` is compared with the reference at every validation.
+    val_every: int | None = None
+    #: ``"train"``: runs with the trainer; ``"declarations"``: the precision
+    #: declarations are checked by constructing trainers (no training at all).
+    kind: Literal["train", "declarations"] = "train"
+    #: Needs the strategy to declare a reshardable state_dict: its checkpoint
+    #: resumes at another world size or under ``single`` (declared out, and not
+    #: run, for a strategy that declares it not reshardable).
+    requires_reshardable: bool = False
+    #: Premises checked on the reference, so a scenario cannot pass vacuously:
+    #: ``"clips"`` (the pre-clip norm exceeds the clip value at every step,
+    #: and the reference ends far from its unclipped control run),
+    #: ``"straddles_clip"`` (at least 3 steps above the clip value and 3 below
+    #: it, and the reference ends far from its unclipped control run),
+    #: ``"overflow"`` (exactly the poisoned step is skipped),
+    #: ``"buffers_change"`` (every floating buffer moves at every recorded checkpoint).
+    premises: tuple[str, ...] = ()
+    #: Another scenario (same model, accumulation 1) whose gradient
+    #: collectives per optimizer step this one must equal.
+    same_sync_as: str | None = None
+    runs: tuple[Run, ...] = (
+        Run("main", "reference"),
+        Run("main", "strategy", twin="main"),
+    )
+
+    def run(self, backend: Backend, run_id: str) -> Run:
+        """The run ``run_id`` of ``backend`` (the tests execute single runs by name)."""
+        for r in self.runs:
+            if r.backend == backend and r.id == run_id:
+                return r
+        raise KeyError(f"scenario {self.name!r} has no {backend} run {run_id!r}")
+
+    def steps_of(self, run: Run) -> int:
+        return run.max_steps if run.max_steps is not None else self.max_steps
+
+    def global_batch_size(self, sizing: Sizing) -> int:
+        return self.accumulate_grad_batches * sizing.micro_batch
+
+    def poison_step(self) -> int:
+        """The optimizer step whose global batch holds the overflow sample (shuffle is off)."""
+        return 2
+
+    def dataset(self, sizing: Sizing) -> Dataset:
+        n = sizing.dataset_size
+        if self.data == "overflow":
+            # With shuffle off, sample k*gbs is the first sample of step k:
+            # rank 0's slice of the first micro-batch.
+            return overflow_data(n, self.poison_step() * self.global_batch_size(sizing))
+        if self.data == "dict":
+            return DictRegression(n)
+        if self.data == "offset":
+            x, y = regression_data(n).tensors
+            return TensorDataset(x, y + OUTPUT_OFFSET)
+        if self.data == "backoff":
+            return backoff_data(n, self.global_batch_size(sizing))
+        return regression_data(n)
+
+    def trainer_settings(self, sizing: Sizing, run: Run) -> dict[str, Any]:
+        return {
+            "precision": self.precision,
+            "accumulate_grad_batches": self.accumulate_grad_batches,
+            "global_batch_size": self.global_batch_size(sizing),
+            "max_steps": self.steps_of(run),
+            "grad_clip_norm": self.grad_clip_norm,
+            "seed": 0,
+            "shuffle": self.shuffle,
+            "accelerator": "cpu",
+            # The suite's runs print nothing: its report is the output.
+            "progress": "off",
+            **({"checkpoint_every_n_steps": self.checkpoint_every} if self.checkpoint_every else {}),
+            **({"val_every_n_steps": self.val_every, "val_batch_size": 3} if self.val_every else {}),
+            **dict(run.overrides),
+        }
+
+
+def needs(scenario: Scenario, run: Run) -> dict[str, str]:
+    """What ``run`` asks of a strategy, each with why: :class:`~unison.contract.ownership.Feature` values and
+    ``"precision:NAME"``. A strategy may refuse the run only if it declares one of these refused
+    (or the run's world size, checked separately)."""
+    out: dict[str, str] = {}
+    if scenario.form == "loss_fn":
+        out[Feature.LOSS_FN.value] = "the run trains (inputs, targets) batches with loss_fn"
+    else:
+        out[Feature.TRAINING_STEP.value] = "the run trains dict batches with training_step"
+    if scenario.accumulate_grad_batches > 1:
+        out[Feature.GRADIENT_ACCUMULATION.value] = f"accumulate_grad_batches={scenario.accumulate_grad_batches}"
+    clip = dict(run.overrides).get("grad_clip_norm", scenario.grad_clip_norm)
+    if clip is not None:
+        out[Feature.GRADIENT_CLIPPING.value] = f"grad_clip_norm={clip}"
+    if run.resume_from is not None:
+        out[Feature.RESUME.value] = f"resumes the checkpoint of {run.resume_from}"
+    for feature, evidence in model_features(build_model(scenario.model)).items():
+        out[feature.value] = f"model {scenario.model!r}: {evidence}"
+    out[f"precision:{scenario.precision}"] = f"precision={scenario.precision!r}"
+    # Every run trains with an optimizer from the factory; a strategy that runs
+    # its own optimizer may accept only some classes (its reason names them).
+    out[Feature.ANY_OPTIMIZER.value] = f"optimizer {scenario.optimizer!r} ({_OPTIMIZER_CLASSES[scenario.optimizer]})"
+    return out

@@ -1,0 +1,299 @@
+"""Each diagnosis rule on its own: it fires on the pattern it names and not on a near miss.
+
+The evidence is built by hand (divergences, a strategy result with traces, the
+reference's traces) for a scenario of the real table; no process runs. The
+end-to-end counterpart, deliberately broken strategies diagnosed by the whole
+suite, is ``tests/test_conformance_broken.py`` and friends.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from unison.conformance.diagnosis import declared, resume, scale, update
+from unison.conformance.diagnosis.evidence import Evidence
+from unison.conformance.diagnosis.table import RULES, diagnose
+from unison.conformance.models import build_model
+from unison.conformance.scenarios import SCENARIOS_BY_NAME
+from unison.conformance.verdict import Divergence
+
+
+def div(kind: str, run: str = "strategy:main", quantity: str = "loss", step: int | None = 1, **kw: Any) -> Divergence:
+    return Divergence("s", run, quantity, step=step, kind=kind, **kw)
+
+
+def steps(first: int = 0, last: int = 5, norm: float = 1.0, lrs: int = 1) -> list[dict[str, Any]]:
+    return [{"step": k, "grad_norm": norm, "lrs": [0.1] * lrs} for k in range(first, last + 1)]
+
+
+def evidence(
+    scenario: str,
+    divergences: list[Divergence],
+    traces: dict[str, dict[str, Any]] | None = None,
+    reference: dict[str, dict[str, Any]] | None = None,
+) -> Evidence:
+    """Evidence for ``scenario``; strategy traces default to one ok ``main`` run at world size 2."""
+    if traces is None:
+        traces = {"main": {"status": "ok", "steps": steps(), "world_size": 2}}
+    result = types.SimpleNamespace(traces={scenario: traces}, reference_traces={}, world_size=2)
+    return Evidence(SCENARIOS_BY_NAME[scenario], divergences, result, {scenario: reference or {}})
+
+
+def rule_of(found: Any) -> str | None:
+    return None if found is None else found[0]
+
+
+# -- the table ------------------------------------------------------------------------------------------ #
+
+
+def test_the_table_ends_with_a_rule_that_always_answers() -> None:
+    assert RULES[-1] is update.unclassified
+    assert len(set(RULES)) == len(RULES)
+    d = diagnose(SCENARIOS_BY_NAME["plain"], [div("other")], None, {})
+    assert d is not None and d.rule == "unclassified"
+    assert diagnose(SCENARIOS_BY_NAME["plain"], [], None, {}) is None
+
+
+def test_precedence_the_first_rule_that_fires_names_the_diagnosis() -> None:
+    # A refusal and an error together: the refusal comes first in the table.
+    d = diagnose(SCENARIOS_BY_NAME["plain"], [div("run", note="boom"), div("refusal", note="no")], None, {})
+    assert d is not None and d.rule == "undeclared_refusal" and d.explanation == "no"
+
+
+# -- what the comparison already named ------------------------------------------------------------------ #
+
+
+@pytest.mark.parametrize(
+    ("rule", "kind", "name"),
+    [
+        (declared.undeclared_refusal, "refusal", "undeclared_refusal"),
+        (declared.run_error, "run", "error"),
+        (declared.declaration, "declaration", "declaration"),
+        (declared.premise, "premise", "premise"),
+    ],
+)
+def test_named_kind_rules(rule: Any, kind: str, name: str) -> None:
+    assert rule_of(rule(evidence("plain", [div("loss"), div(kind)]))) == name
+    assert rule(evidence("plain", [div("loss"), div("other")])) is None
+
+
+def test_precision_not_applied() -> None:
+    probe = div("precision", quantity="Linear output dtype", got="torch.float32", expected="torch.bfloat16")
+    probe.deviation, probe.tolerance = 0.5, 0.1
+    found = declared.precision_not_applied(evidence("bf16_mixed", [probe]))
+    assert found is not None and found[0] == "precision_not_applied" and "did not compute in it" in found[2]
+    assert declared.precision_not_applied(evidence("bf16_mixed", [div("loss")])) is None
+
+
+def test_validation() -> None:
+    assert rule_of(declared.validation(evidence("validation", [div("validation"), div("validation")]))) == "validation"
+    assert declared.validation(evidence("validation", [div("validation"), div("loss")])) is None
+
+
+# -- gradient scale ---------------------------------------------------------------------------------------- #
+
+
+def test_hard_coded_divisor_across_two_world_sizes() -> None:
+    traces = {
+        "part": {"status": "ok", "steps": steps(), "world_size": 2},
+        "resumed": {"status": "ok", "steps": steps(4), "world_size": 4},
+    }
+    # Divided by a fixed 2: ratio 1 at world 2 (no divergence), 2 at world 4.
+    found = scale.hard_coded_divisor(
+        evidence("reshard", [div("grad_norm", run="strategy:resumed", got=2.0, expected=1.0)], traces)
+    )
+    assert rule_of(found) == "hard_coded_divisor" and "fixed 2" in found[2]
+    # Near miss: ratio 1/world at world 4 and a match at world 2 is no single divisor (4/0.25 = 16 vs 2).
+    assert (
+        scale.hard_coded_divisor(
+            evidence("reshard", [div("grad_norm", run="strategy:resumed", got=0.25, expected=1.0)], traces)
+        )
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    ("scenario", "ratio", "name"),
+    [
+        ("plain", 0.5, "averaged_twice"),
+        ("plain", 2.0, "summed"),
+        ("accumulation", 0.25, "accumulation_scale"),
+        ("accumulation", 4.0, "accumulation_scale"),
+    ],
+)
+def test_gradient_scale(scenario: str, ratio: float, name: str) -> None:
+    assert rule_of(scale.gradient_scale(evidence(scenario, [div("grad_norm", got=ratio, expected=1.0)]))) == name
+    # Near miss: 10% off the pattern (the match is 5%).
+    assert scale.gradient_scale(evidence(scenario, [div("grad_norm", got=ratio * 1.1, expected=1.0)])) is None
+
+
+def test_gradient_scale_needs_the_loss_equal_before() -> None:
+    early_loss = div("loss", step=0)
+    assert scale.gradient_scale(evidence("plain", [early_loss, div("grad_norm", got=0.5, expected=1.0)])) is None
+
+
+def test_tied_weight_twice() -> None:
+    norm = div("grad_norm", got=1.3, expected=1.0)
+    assert rule_of(scale.tied_weight_twice(evidence("tied_weights", [norm]))) == "tied_weight_twice"
+    # Near misses: no tied weights in the model; a ratio above sqrt 2.
+    assert scale.tied_weight_twice(evidence("plain", [norm])) is None
+    assert scale.tied_weight_twice(evidence("tied_weights", [div("grad_norm", got=1.6, expected=1.0)])) is None
+
+
+# -- resume ------------------------------------------------------------------------------------------------ #
+
+
+def _resumed_traces(lrs: int = 2) -> dict[str, dict[str, Any]]:
+    return {
+        "full": {"status": "ok", "steps": steps(), "world_size": 2},
+        "part": {"status": "ok", "steps": steps(0, 2), "world_size": 2},
+        "resumed": {"status": "ok", "steps": steps(3, 5, lrs=lrs), "world_size": 2},
+    }
+
+
+def test_partial_optimizer_state() -> None:
+    group1 = div("lr", run="strategy:resumed", quantity="lr (group 1)", step=3)
+    found = resume.partial_optimizer_state(evidence("resume_adagrad", [group1], _resumed_traces()))
+    assert rule_of(found) == "partial_optimizer_state" and "[1]" in found[2]
+    # Near miss: every group differs.
+    group0 = div("lr", run="strategy:resumed", quantity="lr (group 0)", step=3)
+    assert resume.partial_optimizer_state(evidence("resume_adagrad", [group0, group1], _resumed_traces())) is None
+
+
+def test_buffers_on_resume() -> None:
+    scenario = SCENARIOS_BY_NAME["resume"]
+    initial = dict(build_model(scenario.model).named_buffers())
+    counter = next(n for n, v in initial.items() if not v.is_floating_point())
+    traces = _resumed_traces(lrs=1)
+    traces["part"]["buffer_snapshots"] = {3: {counter: initial[counter] + 6}}
+    traces["resumed"]["state"] = {counter: initial[counter] + 6}
+    reference = {"full": {"status": "ok", "steps": steps(), "state": {counter: initial[counter] + 12}}}
+    final = div("buffer", run="strategy:resumed", quantity=f"final {counter}", step=None)
+    assert rule_of(resume.buffers_on_resume(evidence("resume", [final], traces, reference))) == "buffers_on_resume"
+    # Near miss: behind by another amount than it had counted at the checkpoint.
+    traces["resumed"]["state"] = {counter: initial[counter] + 7}
+    assert resume.buffers_on_resume(evidence("resume", [final], traces, reference)) is None
+
+
+def test_resume_state() -> None:
+    late = div("loss", run="strategy:resumed", step=5)
+    found = resume.resume_state(evidence("resume_sgd", [late], _resumed_traces(lrs=1)))
+    assert rule_of(found) == "resume_state" and "optimizer state" in found[2] and "(full, part)" in found[2]
+    # Near miss: a run that does not resume diverges too.
+    assert resume.resume_state(evidence("resume_sgd", [late, div("loss", run="strategy:full")])) is None
+
+
+# -- where training first left the reference ---------------------------------------------------------------- #
+
+
+def test_initial_weights() -> None:
+    first = div("loss", quantity="micro-batch 0 loss", step=0)
+    assert rule_of(update.initial_weights(evidence("plain", [first]))) == "initial_weights"
+    # Near miss: a later step.
+    assert update.initial_weights(evidence("plain", [div("loss", quantity="micro-batch 0 loss", step=2)])) is None
+
+
+def test_buffers_within_first_step() -> None:
+    second = div("loss", quantity="micro-batch 1 loss", step=0)
+    assert rule_of(update.buffers_within_first_step(evidence("buffers", [second]))) == "buffers"
+    first = div("loss", quantity="micro-batch 0 loss", step=0)
+    assert update.buffers_within_first_step(evidence("buffers", [first, second])) is None
+
+
+def test_stale_buffers() -> None:
+    initial = dict(build_model(SCENARIOS_BY_NAME["buffers"].model).named_buffers())
+    traces = {"main": {"status": "ok", "steps": steps(), "world_size": 2, "buffer_snapshots": {3: initial}}}
+    found = update.stale_buffers(evidence("buffers", [div("buffer", step=2)], traces))
+    assert rule_of(found) == "buffers" and "still hold" in found[2]
+    moved = {n: v + 1 for n, v in initial.items()}
+    traces["main"]["buffer_snapshots"] = {3: moved}
+    assert update.stale_buffers(evidence("buffers", [div("buffer", step=2)], traces)) is None
+
+
+def test_replica_desync() -> None:
+    assert rule_of(update.replica_desync(evidence("plain", [div("loss"), div("rank")]))) == "replica_desync"
+    assert update.replica_desync(evidence("plain", [div("loss")])) is None
+
+
+def test_only_buffers() -> None:
+    assert rule_of(update.only_buffers(evidence("buffers", [div("buffer"), div("hooks")]))) == "buffers"
+    assert update.only_buffers(evidence("buffers", [div("buffer"), div("state")])) is None
+
+
+def test_buffers_first() -> None:
+    assert rule_of(update.buffers_first(evidence("buffers", [div("buffer", step=1), div("loss", step=2)]))) == "buffers"
+    assert update.buffers_first(evidence("buffers", [div("loss", step=1), div("buffer", step=2)])) is None
+
+
+def test_gradient_sync() -> None:
+    assert rule_of(update.gradient_sync(evidence("accumulation", [div("loss"), div("boundary")]))) == "gradient_sync"
+    assert update.gradient_sync(evidence("accumulation", [div("loss"), div("counts")])) is None
+
+
+def test_scheduler() -> None:
+    assert rule_of(update.scheduler(evidence("lr_scheduler", [div("lr"), div("loss", step=2)]))) == "scheduler"
+    assert update.scheduler(evidence("lr_scheduler", [div("loss"), div("lr", step=2)])) is None
+
+
+@pytest.mark.parametrize(("norm_before", "name"), [(1.0, "uncapped_clip"), (3.0, "per_bucket_clip")])
+def test_clipping(norm_before: float, name: str) -> None:
+    # clipping clips at 2.0; the loss first differs at step 3, after step 2's update.
+    reference = {"main": {"status": "ok", "steps": [*steps(0, 1, norm=3.0), *steps(2, 2, norm=norm_before)]}}
+    assert rule_of(update.clipping(evidence("clipping", [div("loss", step=3)], reference=reference))) == name
+    # Near miss: the same divergence in a scenario that does not straddle a clip value.
+    assert update.clipping(evidence("plain", [div("loss", step=3)], reference=reference)) is None
+
+
+def test_optimizer_step() -> None:
+    assert rule_of(update.optimizer_step(evidence("plain", [div("loss", step=3)]))) == "optimizer"
+    # Near miss: the grad norm differed first (the gradients were wrong, not the update).
+    assert update.optimizer_step(evidence("plain", [div("grad_norm", step=2), div("loss", step=3)])) is None
+
+
+def test_final_buffers() -> None:
+    final = [div("state", step=None), div("buffer", step=None)]
+    assert rule_of(update.final_buffers(evidence("buffers", final))) == "buffers"
+    assert update.final_buffers(evidence("buffers", [div("state", step=None)])) is None
+
+
+def test_final_parameters() -> None:
+    assert rule_of(update.final_parameters(evidence("plain", [div("state", step=None)]))) == "optimizer"
+    assert update.final_parameters(evidence("plain", [div("loss", step=3), div("state", step=None)])) is None
+
+
+def test_hooks_and_counts() -> None:
+    assert rule_of(update.hooks(evidence("plain", [div("hooks")]))) == "hooks"
+    assert update.hooks(evidence("plain", [div("counts")])) is None
+    assert rule_of(update.counts(evidence("plain", [div("counts")]))) == "counts"
+    assert update.counts(evidence("plain", [div("hooks")])) is None
+
+
+def test_every_rule_in_the_table_has_a_test_here() -> None:
+    text = Path(__file__).read_text()
+    untested = [r.__name__ for r in RULES if f".{r.__name__}" not in text.replace(" RULES", "")]
+    assert not untested, untested
+
+
+def test_diagnose_builds_the_diagnosis_from_the_finding() -> None:
+    e = evidence("plain", [div("grad_norm", quantity="grad norm", got=0.5, expected=1.0)])
+    d = diagnose(e.scenario, e.divergences, e.result, e.reference)
+    assert d is not None and (d.rule, d.run, d.step, d.quantity) == ("averaged_twice", "strategy:main", 1, "grad norm")
+    assert d.message().startswith("gradients averaged twice: first seen in grad norm at step 1 (strategy:main).")
+
+
+def test_the_package_exports_the_objects_not_modules_of_the_same_name() -> None:
+    # A submodule named like an exported function would shadow it once imported
+    # (``from unison.conformance import diagnose`` would give the module).
+    import importlib
+
+    import unison.conformance as package
+
+    for name, module in package._EXPORTS.items():
+        importlib.import_module(module)
+        value = getattr(package, name)
+        assert not isinstance(value, types.ModuleType), name
+        assert value is getattr(importlib.import_module(module), name)
