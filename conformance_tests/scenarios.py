@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from unison.conformance.data import BACKOFF_STEPS
+from unison.conformance.data import BACKOFF_STEPS, Sizing
 from unison.conformance.spec import BF16_MIXED, FP16_MIXED, FP32, Run, Scenario
 
 RESUME_AT = 3
@@ -91,8 +91,11 @@ SCENARIOS: tuple[Scenario, ...] = (
         model="mlp",
         optimizer="sgd",
         accumulate_grad_batches=2,
-        # The reference's pre-clip norms: 2.63, 2.66, 1.68, 2.36, 1.02, 1.56, 1.85, 2.39.
+        # The reference's pre-clip norms at micro-batch 8 (world 1 and 2): 2.63, 2.66, 1.68, 2.36, 1.02,
+        # 1.56, 1.85, 2.39 (unclipped: median 1.87); at micro-batch 16 (world 4): 1.85, 1.50, 1.34,
+        # 1.62, 1.24, 1.99, 0.93, 1.56 unclipped (median 1.53).
         grad_clip_norm=2.0,
+        grad_clip_norm_at=((8, 2.0), (16, 1.5)),
         max_steps=8,
         premises=("straddles_clip",),
         runs=_clip_runs(),
@@ -289,8 +292,11 @@ SCENARIOS: tuple[Scenario, ...] = (
 SCENARIOS_BY_NAME: dict[str, Scenario] = {s.name: s for s in SCENARIOS}
 
 
-def select(names: Sequence[str] | None) -> tuple[Scenario, ...]:
-    """The scenarios named (all when ``names`` is empty), in catalogue order."""
+def select(names: Sequence[str] | None, sizing: Sizing | None = None) -> tuple[Scenario, ...]:
+    """The scenarios named (all when ``names`` is empty), in catalogue order; as they run at
+    ``sizing`` when given (:meth:`Scenario.sized`)."""
+    if sizing is not None:
+        return tuple(s.sized(sizing) for s in select(names))
     if not names:
         return SCENARIOS
     unknown = [n for n in names if n not in SCENARIOS_BY_NAME]

@@ -15,6 +15,7 @@ comparison accepts a refusal only when one of those is declared refused.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -76,6 +77,11 @@ class Scenario:
     precision: str = FP32
     accumulate_grad_batches: int = 1
     grad_clip_norm: float | None = None
+    #: ``(micro-batch size, clip value)`` pairs: larger global batches average more noise away and have
+    #: smaller gradient norms, so a clip value chosen to straddle one batch size's norms does not
+    #: straddle another's. :meth:`sized` picks the entry of the suite's micro-batch (the nearest size
+    #: when none matches; the ``straddles_clip`` premise then says whether it still straddles).
+    grad_clip_norm_at: tuple[tuple[int, float], ...] = ()
     optimizer: str = "adamw"
     scheduler: str | None = None
     max_steps: int = 6
@@ -118,6 +124,13 @@ class Scenario:
             if r.backend == backend and r.id == run_id:
                 return r
         raise KeyError(f"scenario {self.name!r} has no {backend} run {run_id!r}")
+
+    def sized(self, sizing: Sizing) -> Scenario:
+        """This scenario as it runs at ``sizing``: the clip value of its micro-batch size."""
+        if not self.grad_clip_norm_at:
+            return self
+        _, clip = min(self.grad_clip_norm_at, key=lambda entry: abs(entry[0] - sizing.micro_batch))
+        return dataclasses.replace(self, grad_clip_norm=clip)
 
     def steps_of(self, run: Run) -> int:
         return run.max_steps if run.max_steps is not None else self.max_steps

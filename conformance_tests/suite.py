@@ -70,7 +70,7 @@ class Suite:
         self.world_size = world_size
         self.alt_world_size = alt_world_size or default_alt_world_size(world_size)
         self.sizing = Sizing(world_size, self.alt_world_size)
-        self.scenarios = select(scenarios)
+        self.scenarios = select(scenarios, self.sizing)
         self.scenario_names = tuple(s.name for s in self.scenarios)
         self.plugins = tuple(plugins)
         self._tmp = None

@@ -101,7 +101,7 @@ def run_phase(ctx: PhaseContext) -> dict[str, dict[str, dict[str, Any]]]:
     strategy = REFERENCE if ctx.backend == "reference" else ctx.strategy
     out: dict[str, dict[str, dict[str, Any]]] = {}
     with _diagnostics(ctx, rank) as where:
-        for scenario in select(ctx.scenarios):
+        for scenario in select(ctx.scenarios, ctx.sizing):
             if scenario.kind != "train" or (scenario.requires_reshardable and not ctx.reshardable):
                 continue
             for run in phase_runs(ctx, scenario):

@@ -76,6 +76,16 @@ class HardCodedDivisor(_DataParallel):
             g.copy_(reduced)
 
 
+class HardCodedDivisorGuarded(HardCodedDivisor):
+    """Divides the summed gradients by 2 and skips the all-reduce and the division at world size 1: right
+    at world sizes 1 and 2, so only a world of 3 or more can see it."""
+
+    def average_gradients(self) -> None:
+        assert self.env is not None
+        if self.env.world_size > 1:
+            super().average_gradients()
+
+
 class TiedWeightTwice(_DataParallel):
     """Computes the clipping norm over every parameter name, so a tied weight's gradient counts twice."""
 
@@ -133,6 +143,10 @@ BROKEN = {
     "per_bucket_clip": (PerBucketClip, "clips each gradient bucket by its own norm"),
     "uncapped_clip": (UncappedClip, "clip coefficient not capped at 1"),
     "hard_coded_divisor": (HardCodedDivisor, "divides gradients by 2; no all-reduce at world size 1"),
+    "hard_coded_divisor_guarded": (
+        HardCodedDivisorGuarded,
+        "divides gradients by 2; neither all-reduce nor division at world size 1",
+    ),
     "tied_weight_twice": (TiedWeightTwice, "counts a tied weight twice in the clipping norm"),
     "decays_frozen": (DecaysFrozen, "hands frozen parameters to the optimizer with zero gradients"),
     "drops_buffers_on_resume": (DropsBuffersOnResume, "drops the checkpoint's buffers on resume"),

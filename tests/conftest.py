@@ -35,6 +35,7 @@ FULL_TIER = {
     "test_conformance_rules.py": "the mutation suites (diagnosis rules)",
     "test_conformance_optim.py": "the mutation suites (optimizer state on resume)",
     "test_conformance_precision.py": "the mutation suites (precision applied)",
+    "test_conformance_rules_w4.py": "the mutation suites at world 4 (4-rank worlds)",
     "test_conformance.py": "the suite on the test and example strategies, every scenario",
     "test_multinode.py": "two torchrun agents as two nodes",
     "test_multinode_cluster.py": "two torchrun agents per cluster environment",

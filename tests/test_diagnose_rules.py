@@ -297,3 +297,18 @@ def test_the_package_exports_the_objects_not_modules_of_the_same_name() -> None:
         value = getattr(package, name)
         assert not isinstance(value, types.ModuleType), name
         assert value is getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize(
+    ("ratio", "world", "rule"),
+    [
+        (2.0, 4, "hard_coded_divisor"),  # summed over 4, divided by a fixed 2
+        (4 / 3, 4, "hard_coded_divisor"),  # ... by a fixed 3
+        (2.0, 2, "summed"),  # at world 2 a ratio of 2 is the world size itself
+        (2.3, 4, None),  # near miss: no fixed divisor explains it
+        (1.0, 4, None),
+    ],
+)
+def test_ratio_pattern_reads_a_fixed_divisor_from_one_world_of_3_or_more(ratio, world, rule):
+    found = scale.ratio_pattern(ratio, world, accumulation=1)
+    assert (found[0] if found else None) == rule, found

@@ -103,6 +103,17 @@ def ratio_pattern(ratio: float, world: int, accumulation: int) -> tuple[str, str
                 f"the world size {world}: the gradients were summed over replicas and never divided by the world size",
             )
         )
+    if world > 2:
+        for divisor in range(2, world):
+            if close(ratio, world / divisor):
+                candidates.append(
+                    (
+                        "hard_coded_divisor",
+                        f"world size / {divisor} = {world}/{divisor}: the gradients were summed over the {world} "
+                        f"replicas and divided by a fixed {divisor}, not by the world size (right only at world "
+                        f"size {divisor}, and at world size 1 too when the all-reduce and division are skipped there)",
+                    )
+                )
     if accumulation > 1 and close(ratio, 1 / accumulation):
         candidates.append(
             (

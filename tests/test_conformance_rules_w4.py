@@ -1,0 +1,65 @@
+"""World 4 sees what world 2 cannot (``conformance_broken_rules``, 4-rank gloo worlds).
+
+A strategy that divides the summed gradients by a fixed 2 and skips the all-reduce and the division at
+world size 1 is right at world sizes 1 and 2; at world 4 its gradients are twice the reference's, and the
+diagnosis names the fixed divisor from the ratio (world size / 2). The clipping rules are caught here
+too, with the clip value of world 4's larger global batches (the ``straddles_clip`` premise holds at
+world 4), each by a margin of 10 or more; the correct control is certified on the same scenarios.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from unison.conformance.certification import certify
+from unison.conformance.report import SuiteReport
+from unison.conformance.suite import Suite
+from unison.conformance.verdict import FAIL, PASS
+
+from helpers import suite_report_dir
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
+
+PLUGIN = "conformance_broken_rules"
+SCENARIOS = ["plain", "clipping"]
+CONTROL = "rules_control"
+#: strategy -> (the scenario that sees it, the rule its diagnosis must name)
+EXPECTED = {
+    "hard_coded_divisor_guarded": ("plain", "hard_coded_divisor"),
+    "uncapped_clip": ("clipping", "uncapped_clip"),
+    "per_bucket_clip": ("clipping", "per_bucket_clip"),
+}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> SuiteReport:
+    with Suite(
+        world_size=4,
+        scenarios=SCENARIOS,
+        plugins=[PLUGIN],
+        timeout=600,
+        workdir=tmp_path_factory.mktemp("conformance-rules-w4"),
+    ) as suite:
+        return certify([CONTROL, *EXPECTED], suite=suite, report_dir=suite_report_dir(tmp_path_factory, "rules-w4"))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_world_4_names_the_broken_rule_by_a_wide_margin(report, name):
+    scenario, rule = EXPECTED[name]
+    v = report.verdicts[name][scenario]
+    assert v.status == FAIL, v.summary()
+    assert v.diagnosis is not None and v.diagnosis.rule == rule, v.diagnosis and v.diagnosis.message()
+    assert v.margin is not None and v.margin >= 10, (v.margin, v.divergences[0].message())
+    assert not report.certificate(name).certified
+
+
+def test_the_fixed_divisor_is_read_from_the_ratio_at_world_4(report):
+    d = report.verdicts["hard_coded_divisor_guarded"]["plain"].diagnosis
+    assert "world size / 2 = 4/2" in d.explanation and "fixed 2" in d.explanation, d.message()
+
+
+def test_the_control_is_certified_at_world_4_and_clipping_straddles_there(report):
+    statuses = {n: v.status for n, v in report.verdicts[CONTROL].items()}
+    assert statuses == dict.fromkeys(SCENARIOS, PASS)
+    checks = report.verdicts[CONTROL]["clipping"].checks
+    assert any("exceeds 1.5 at 3 steps or more and stays below it" in c for c in checks), checks
