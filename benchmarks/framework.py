@@ -148,7 +148,8 @@ def distributed_costs(w: Workload, strategy: str = "ddp") -> dict[str, float]:
     class Instrument:
         @unison.hookimpl
         def unison_on_fit_start(self, trainer: Any) -> None:
-            trainer._agree_to_stop = timing("stop_agreement", trainer._agree_to_stop)
+            loop = trainer._loop  # the fit's TrainLoop (unison.training.loop), set up before fit_start
+            loop.agree_to_stop = timing("stop_agreement", loop.agree_to_stop)
             trainer.strategy.reduce_sum = timing("loss_reduce", trainer.strategy.reduce_sum)
             trainer.strategy.clip_grad_norm = timing("grad_norm", trainer.strategy.clip_grad_norm)
 
@@ -177,7 +178,7 @@ def framework_time(w: Workload, callbacks: int, rounds: int) -> dict[str, float]
 def hook_dispatch(callbacks: int, iterations: int = 3000, rounds: int = 5) -> float:
     """Microseconds per optimizer step to dispatch the five per-step hooks with ``callbacks`` callbacks."""
     import unison
-    from unison.training.trainer import StepOutput
+    from unison.training.outputs import StepOutput
 
     trainer = unison.Trainer(
         strategy="single", callbacks=noop_callbacks(callbacks), max_steps=10, progress="off", log_every_n_steps=10**6

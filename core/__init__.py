@@ -49,9 +49,9 @@ _EXPORTS = {
     "EngineAccumulation": "contract.strategy",
     "ScheduleAccumulation": "contract.strategy",
     "Strategy": "contract.strategy",
-    "NonFiniteError": "training.trainer",
-    "Progress": "training.trainer",
-    "StepOutput": "training.trainer",
+    "NonFiniteError": "training.outputs",
+    "Progress": "training.outputs",
+    "StepOutput": "training.outputs",
     "Trainer": "training.trainer",
 }
 
@@ -111,7 +111,8 @@ if TYPE_CHECKING:  # pragma: no cover - what editors and type checkers see
     from unison.plugin import hookimpl
     from unison.plugin.manager import PluginManager
     from unison.plugin.registry import PrecisionSpec, StrategySpec
-    from unison.training.trainer import NonFiniteError, Progress, StepOutput, Trainer
+    from unison.training.outputs import NonFiniteError, Progress, StepOutput
+    from unison.training.trainer import Trainer
 
 
 # Modules that moved into subpackages in 0.2 (core grouped by concern: contract, plugin, data,

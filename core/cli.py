@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -29,6 +29,9 @@ from rich.table import Table
 from unison.checkpointing.cli import checkpoint as checkpoint_commands
 from unison.errors import UnisonError
 from unison.plugin.manager import PluginManager
+
+if TYPE_CHECKING:
+    from unison.checkpointing.resume import ResumeRequest
 
 console = Console()
 
@@ -209,13 +212,16 @@ def train(
     Kubernetes PyTorchJob, the config is checked here and then trained by
     torchrun's workers (every node runs the same command).
     """
-    if max_restarts and resume != "auto":
+    from unison.checkpointing.resume import ResumeKind, ResumeRequest  # no torch: a bad form fails at once
+
+    request = ResumeRequest.parse(resume)
+    if max_restarts and request.kind is not ResumeKind.AUTO:
         # A restarted world must continue from its last checkpoint, not refuse its own directory.
         raise click.UsageError("--max-restarts needs --resume auto")
     if "LOCAL_RANK" not in os.environ:  # at once, before torch loads (seconds); workers stay quiet
         console.print(f"unison train {escape(config)}: loading torch, checking the config", highlight=False)
     from unison.config.load import load_config, resolve_run
-    from unison.training.trainer import build_strategy
+    from unison.training.preflight import build_strategy
 
     overrides: dict[str, Any] = {}
     if strategy is not None:
@@ -232,7 +238,7 @@ def train(
     }
     node_args = [f"{flag}={value}" for flag, value in given.items() if value is not None]
     if "LOCAL_RANK" in os.environ:  # a worker torchrun started: train
-        _train_here(config, overrides, sets, resume)
+        _train_here(config, overrides, sets, request)
         return
     from unison.launch.torchrun import cluster_launch, run_script
 
@@ -248,7 +254,7 @@ def train(
         if not multi_node:  # (nodes each launch: there rank 0 chooses the run directory for all)
             from unison.training.runs import choose_for_workers
 
-            choose_for_workers(run_config.trainer, resume)  # refusals once, here; one version_N for every rank
+            choose_for_workers(run_config.trainer, request)  # refusals once, here; one version_N for every rank
         # (workers see LOCAL_RANK and train; no --nproc, which torchrun would take as its own)
         argv = [
             "train",
@@ -261,11 +267,11 @@ def train(
         sys.exit(
             run_script("unison.cli", nproc, argv, ["--module", f"--max-restarts={max_restarts}", *node_args], cluster)
         )
-    _train_here(config, overrides, sets, resume)
+    _train_here(config, overrides, sets, request)
 
 
 def _train_here(
-    config_path: str, overrides: dict[str, Any], sets: tuple[str, ...] = (), resume: str | None = None
+    config_path: str, overrides: dict[str, Any], sets: tuple[str, ...] = (), resume: ResumeRequest | None = None
 ) -> None:
     from unison.config.load import load_config, resolve_run
     from unison.training.trainer import Trainer

@@ -31,7 +31,7 @@ from unison.strategies.apex import (
     adam_hyperparameters,
     distributed_fused_adam_unavailable,
 )
-from unison.training.trainer import build_strategy
+from unison.training.preflight import build_strategy
 
 from helpers import max_abs_diff, mlp, regression_data
 

@@ -50,9 +50,9 @@ _UNISON = tuple(
 
 #: Reads of tensors that live on the host by construction (never a device sync), by ``file:function``.
 HOST_ONLY = {
-    "data.py:global_indices": "the sampler's index list, sliced from a CPU torch.randperm",
+    "loader.py:global_indices": "the sampler's index list, sliced from a CPU torch.randperm",
     "batch.py:count_tokens": "tokens of a collated batch, counted on the host before it moves to the device",
-    "trainer.py:_agree_to_stop": "should_stop / stop-request flags: a CPU tensor on the gloo control group",
+    "loop.py:agree_to_stop": "should_stop / stop-request flags: a CPU tensor on the gloo control group",
 }
 
 #: Documented device reads per non-logging step, by (precision, nonfinite).
@@ -208,8 +208,8 @@ def test_single_reads_only_the_documented_values_on_non_logging_steps(precision,
     _check(run, DOCUMENTED[(precision, nonfinite)], logs_every(5))
     if DOCUMENTED[(precision, nonfinite)]:
         # The one read is the finiteness decision in the trainer's step, nowhere else.
-        sites = {k for reads in run["device"].values() for k in reads if "_train_step" in k}
-        assert sites == {"trainer.py:_train_step:__bool__"}, sites
+        sites = {k for reads in run["device"].values() for k in reads if ":train_step:" in k}
+        assert sites == {"loop.py:train_step:__bool__"}, sites
 
 
 def test_progress_throughput_and_loggers_read_nothing_between_their_steps(tmp_path):
@@ -227,7 +227,7 @@ def test_progress_throughput_and_loggers_read_nothing_between_their_steps(tmp_pa
     )
     _check(run, 0, lambda step: (step + 1) % 5 == 0 or (step + 1) % 2 == 0)
     # A progress-only step reads the loss it prints (through StepOutput), nothing else.
-    assert run["device"][1] == {"trainer.py:micro_losses:tolist": 1}, run["device"][1]
+    assert run["device"][1] == {"outputs.py:micro_losses:tolist": 1}, run["device"][1]
 
 
 def test_the_counter_attributes_a_callback_read_to_the_callback():
@@ -290,4 +290,4 @@ def test_distributed_steps_read_only_the_documented_values(world, strategy):
             _check(run, documented, logs_every(3))
             # The stop agreement is one host-only read site per step, never a device read.
             for step, reads in run["all"].items():
-                assert any(k.startswith("trainer.py:_agree_to_stop") for k in reads), (step, reads)
+                assert any(k.startswith("loop.py:agree_to_stop") for k in reads), (step, reads)

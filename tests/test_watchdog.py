@@ -224,7 +224,7 @@ def test_a_sigstopped_rank_ends_the_job_in_seconds_with_code_3_and_auto_resume_i
         assert "unison: rank 0: stalled rank 1 (pid " in err, err[-4000:]
         assert "rank 0 (this one) at step 6 (stop_agreement)" in err
         report0 = err[err.index("unison: rank 0: stalled rank 1") :]
-        assert "most recent call first" in report0 and "in _agree_to_stop" in report0
+        assert "most recent call first" in report0 and "in agree_to_stop" in report0
         # Rank 1, continued, says it was frozen (in step 6: it may have moved on to the next phase by the
         # time its watchdog thread runs) and prints its own stacks.
         assert "unison: rank 1: rank 1 was frozen for " in err and "s at step 6 (" in err

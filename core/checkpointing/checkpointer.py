@@ -68,6 +68,7 @@ from unison.checkpointing.manifest import (
     utc_now,
     verify,
 )
+from unison.checkpointing.resume import CkptPath, ResumeKind, ResumeRequest
 from unison.checkpointing.safe_io import decode_rng, dumps, encode_rng, loads
 from unison.checkpointing.storage import LocalStorage, open_storage, split_url
 from unison.errors import ConfigurationError
@@ -145,19 +146,20 @@ class Checkpointer:
         readable = [c for c in self.committed() if c.manifest is not None]
         return readable[-1].path if readable else None
 
-    def resolve(self, ckpt_path: str | os.PathLike[str]) -> Path:
+    def resolve(self, ckpt_path: CkptPath) -> Path:
         """``"last"``/``"auto"`` -> the newest committed checkpoint; a path -> itself, if committed (unverified)."""
-        if str(ckpt_path) in ("last", "auto"):
+        request = ResumeRequest.parse(ckpt_path)
+        if request.newest:
             path = self.latest()
             if path is None:
-                raise FileNotFoundError(f"ckpt_path={str(ckpt_path)!r} but {self.root} holds no committed checkpoint")
+                raise FileNotFoundError(f"ckpt_path={str(request)!r} but {self.root} holds no committed checkpoint")
             return path
-        path = Path(ckpt_path)
+        path = request.local_path
         if not self.storage.exists(path / MANIFEST):
             raise FileNotFoundError(f"{path} is not a committed unison checkpoint (no {MANIFEST})")
         return path
 
-    def claim(self, ckpt_path: str | os.PathLike[str] | None) -> None:
+    def claim(self, ckpt_path: CkptPath) -> None:
         """Refuse to start a run that would write into another run's checkpoints.
 
         Called before any process group exists. ``"auto"`` and ``"last"`` take
@@ -166,15 +168,16 @@ class Checkpointer:
         checkpoint elsewhere, into a root that holds committed checkpoints is
         refused: its saves would replace and prune the other run's.
         """
-        if ckpt_path is not None and str(ckpt_path) in ("auto", "last"):
+        request = ResumeRequest.parse(ckpt_path)
+        if request.newest:
             return
         existing = self.committed()
         if not existing:
             return
-        if ckpt_path is not None and _same_dir(Path(ckpt_path).parent, self.root):
+        if self._inside_root(request):
             return
         newest = existing[-1].path.name
-        asked = "starts fresh" if ckpt_path is None else f"resumes from {ckpt_path}, outside it,"
+        asked = "starts fresh" if request.fresh else f"resumes from {request}, outside it,"
         raise ConfigurationError(
             "checkpoint_dir",
             f"{self.root} already holds {len(existing)} committed checkpoint(s) of another run (newest {newest}) "
@@ -183,7 +186,7 @@ class Checkpointer:
             "checkpoint_dir, or delete the old checkpoints",
         )
 
-    def preflight(self, ckpt_path: str | os.PathLike[str] | None, max_steps: int | None) -> None:
+    def preflight(self, ckpt_path: CkptPath, max_steps: int | None) -> None:
         """Checks a run makes before any process group exists (on every rank, local reads only).
 
         * the root can be created and written (a probe file is written and
@@ -194,8 +197,9 @@ class Checkpointer:
         * the checkpoint a run would resume from must not lie beyond
           ``max_steps`` (its manifest's step; verification comes later, on load).
         """
+        request = ResumeRequest.parse(ckpt_path)
         self.storage.check(self.root)  # object storage: refused credentials, no bucket, no endpoint, named
-        run, own_run = self._lease_run = self._lease_identity(ckpt_path)
+        run, own_run = self._lease_run = self._lease_identity(request)
         probe = self.root / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             # (reading the lease makes its guard file: a root that cannot be a directory fails here, as unwritable)
@@ -214,22 +218,22 @@ class Checkpointer:
                 f"{self.root} cannot be written ({type(exc).__name__}: {exc})",
                 "choose a directory this process can create and write",
             ) from exc
-        if ckpt_path is None:
+        if request.fresh:
             return
         readable = [c for c in self.committed() if c.manifest is not None]
-        if str(ckpt_path) == "last" and not readable:
+        if request.kind is ResumeKind.LAST and not readable:
             raise ConfigurationError(
                 "ckpt_path",
                 f"'last' but {self.root} holds no committed checkpoint",
                 "use ckpt_path='auto' (`--resume auto`), which starts fresh when there is none",
             )
-        if str(ckpt_path) in ("last", "auto"):
+        if request.newest:
             resume_step = readable[-1].manifest.step if readable else None  # type: ignore[union-attr]
         else:
-            resume_step = resume_point(ckpt_path, self.storage)
+            resume_step = resume_point(request.local_path, self.storage)
         check_resume_step(resume_step, max_steps)
 
-    def acquire(self, ckpt_path: str | os.PathLike[str] | None) -> None:
+    def acquire(self, ckpt_path: CkptPath) -> None:
         """Take the one-writer lease on the root (collective: every rank, right after the process group is up).
 
         Rank 0 takes it (:meth:`unison.checkpointing.lease.Lease.acquire`) and broadcasts
@@ -237,7 +241,7 @@ class Checkpointer:
         :class:`ConfigurationError` on every rank at once; see
         :mod:`unison.checkpointing.lease` for why it is taken here.
         """
-        run, own_run = self._lease_run or self._lease_identity(ckpt_path)
+        run, own_run = self._lease_run or self._lease_identity(ResumeRequest.parse(ckpt_path))
         outcome: tuple[str, ...] = ("ok",)
         # Every rank has read the lease in preflight before rank 0 takes it. Without this, a process group
         # that already existed before fit (the conformance suite's world, a user's own init) lets a slower
@@ -263,18 +267,19 @@ class Checkpointer:
         """Give the lease back (rank 0; a no-op elsewhere and when not held)."""
         self.lease.release()
 
-    def _lease_identity(self, ckpt_path: str | os.PathLike[str] | None) -> tuple[str, bool]:
+    def _inside_root(self, request: ResumeRequest) -> bool:
+        """A checkpoint path inside this root: its run is the root's own."""
+        return request.kind is ResumeKind.PATH and _same_dir(request.local_path.parent, self.root)
+
+    def _lease_identity(self, request: ResumeRequest) -> tuple[str, bool]:
         """``(run, resumes_it)``: the run of the newest commit when this run continues the root's, else a new id."""
-        continues = ckpt_path is not None and (
-            str(ckpt_path) in ("auto", "last") or _same_dir(Path(ckpt_path).parent, self.root)
-        )
-        if continues:
+        if request.newest or self._inside_root(request):
             readable = [c for c in self.committed() if c.manifest is not None]
             if readable:
                 return readable[-1].manifest.run, True  # type: ignore[union-attr]
         return uuid.uuid4().hex[:16], False
 
-    def select(self, ckpt_path: str | os.PathLike[str]) -> Committed | None:
+    def select(self, ckpt_path: CkptPath) -> Committed | None:
         """The checkpoint to resume from, verified (collective: call on every rank).
 
         * ``"auto"``: the newest commit that verifies; a newer one that does
@@ -285,8 +290,9 @@ class Checkpointer:
 
         Leftover ``.partial`` directories are removed once the choice is made.
         """
-        auto = str(ckpt_path) == "auto"
-        if str(ckpt_path) in ("auto", "last"):
+        request = ResumeRequest.parse(ckpt_path)
+        auto = request.kind is ResumeKind.AUTO
+        if request.newest:
             entries = self.committed()
             unreadable = [c for c in entries if c.manifest is None]
             candidates = [c.path for c in reversed(entries) if c.manifest is not None]
@@ -303,7 +309,7 @@ class Checkpointer:
                     self._clean_partials()
                 return None
         else:
-            candidates = [self.resolve(ckpt_path)]
+            candidates = [self.resolve(request)]
         failures = []
         for path in candidates:
             try:

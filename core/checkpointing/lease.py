@@ -27,8 +27,10 @@ warning naming the old owner and why):
 * it was released (a finished run deletes it; a record left half-written is
   treated the same).
 
-A run that resumes its own run (``ckpt_path="auto"``/``"last"`` on a
-directory whose newest commit belongs to the run named in the lease) waits up
+A run that resumes its own run (``ckpt_path="auto"``/``"last"``, or a
+checkpoint inside the directory, as :class:`~unison.checkpointing.resume.ResumeRequest`
+reads it, on a directory whose newest commit belongs to the run named in the
+lease; the checkpointer passes ``own_run``) waits up
 to ``ttl`` for a holder on another host to stop heartbeating before it gives
 up: that is the run's own crashed attempt taking its lease back. Any other
 live holder is refused at once with a :class:`~unison.errors.ConfigurationError`

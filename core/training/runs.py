@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from unison.checkpointing.checkpointer import Checkpointer, resume_point
+from unison.checkpointing.resume import CkptPath, ResumeKind, ResumeRequest
 from unison.checkpointing.storage import split_url
 from unison.errors import ConfigurationError
 
@@ -136,7 +137,7 @@ def new_version(root: Path, taken: list[str] | tuple[str, ...] = ()) -> Path:
             n += 1
 
 
-def plan_run(root_dir: str, ckpt_path: str | os.PathLike[str] | None, checkpoints_inside: bool) -> Path | None:
+def plan_run(root_dir: str, ckpt_path: CkptPath, checkpoints_inside: bool) -> Path | None:
     """The version directory a fit continues, or ``None`` for a fresh one (reads only; creates nothing).
 
     ``checkpoints_inside``: the run's checkpoints live in
@@ -145,40 +146,43 @@ def plan_run(root_dir: str, ckpt_path: str | os.PathLike[str] | None, checkpoint
     gets a fresh version. A launcher's choice in :data:`RUN_DIR_ENV` wins
     when it lies under ``root_dir``.
     """
+    request = ResumeRequest.parse(ckpt_path)
     root = check_root(root_dir).absolute()
     given = os.environ.get(RUN_DIR_ENV)
     if given and Path(given).parent == root:
         return Path(given)  # the launcher chose (and made) it; a restarted worker continues it
-    if ckpt_path is None or not checkpoints_inside:
+    if request.fresh or not checkpoints_inside:
         return None
-    if str(ckpt_path) in ("auto", "last"):
+    if request.newest:
         for _, version in reversed(versions(root)):
             if Checkpointer(version / CHECKPOINTS).latest() is not None:
                 return version
-        if str(ckpt_path) == "last":
+        if request.kind is ResumeKind.LAST:
             raise ConfigurationError(
                 "ckpt_path",
                 f"'last' but no run under {root} holds a committed checkpoint",
                 "use ckpt_path='auto' (`--resume auto`), which starts a fresh run when there is none",
             )
         return None
-    path = Path(ckpt_path).absolute()
+    path = request.local_path.absolute()
     inside = path.parent.name == CHECKPOINTS and path.parent.parent.parent == root
     return path.parent.parent if inside else None
 
 
-def resume_step(checkpointer: Checkpointer, ckpt_path: str | os.PathLike[str] | None) -> tuple[int, str] | None:
+def resume_step(checkpointer: Checkpointer, ckpt_path: CkptPath) -> tuple[int, str] | None:
     """``(step, path)`` of the checkpoint a fit will resume from, from its manifest (unverified: read before
     any process group; ``None`` for a fresh start)."""
-    if ckpt_path is None:
+    request = ResumeRequest.parse(ckpt_path)
+    if request.fresh:
         return None
-    if str(ckpt_path) in ("auto", "last"):
+    if request.newest:
         readable = [c for c in checkpointer.committed() if c.manifest is not None]
         return (readable[-1].manifest.step, str(readable[-1].path)) if readable else None  # type: ignore[union-attr]
-    return resume_point(ckpt_path), str(ckpt_path)
+    assert request.path is not None
+    return resume_point(request.path), str(request)
 
 
-def prepare(trainer: Any, ckpt_path: str | os.PathLike[str] | None, world_size: int) -> None:
+def prepare(trainer: Any, ckpt_path: CkptPath, world_size: int) -> None:
     """Before the process group: choose (or find) the run directory and the checkpointer that writes into it.
 
     Sets ``trainer.run_dir`` (made now unless ranks of a bare ``torchrun``
@@ -215,7 +219,7 @@ def agree(trainer: Any) -> None:
         trainer.checkpointer = Checkpointer(trainer.run_dir / CHECKPOINTS, s.keep_last_n_checkpoints)
 
 
-def choose_for_workers(settings: Any, ckpt_path: str | None) -> None:
+def choose_for_workers(settings: Any, ckpt_path: CkptPath) -> None:
     """In a launcher, before any worker starts: the checks and the choice of a single-node job's run directory.
 
     An explicit ``checkpoint_dir`` holding another run's checkpoints is

@@ -1,0 +1,253 @@
+"""The training loop: optimizer steps until the data, ``max_steps`` or an agreed stop ends it.
+
+One step (:meth:`TrainLoop.train_step`): the micro-batches' forward and
+backward, fed as the strategy's accumulation declaration says
+(:meth:`TrainLoop.forward_backward`, the one place that reads it), the
+losses reduced over replicas, gradients unscaled and clipped by the global
+norm, the non-finite check, the optimizer and scheduler steps. After each
+step the loop logs, asks the :class:`~unison.training.validation.Validator`
+and the :class:`~unison.training.checkpointing.CheckpointManager` whether to
+validate and save, and every rank agrees whether to stop
+(:meth:`TrainLoop.agree_to_stop`). Hooks fire with the trainer, in the order
+:mod:`unison.plugin.hookspecs` documents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unison.contract.ownership import AccumulationOwner, GradSync
+from unison.errors import ConfigurationError
+from unison.training.outputs import NonFiniteError, StepOutput
+
+if TYPE_CHECKING:
+    from unison.training.checkpointing import CheckpointManager
+    from unison.training.metrics import MetricsLog
+    from unison.training.trainer import Trainer
+    from unison.training.validation import Validator
+
+__all__ = ["TrainLoop"]
+
+
+class TrainLoop:
+    """Runs one fit's steps on the parts ``fit`` set up (strategy, precision, data, world) held by ``trainer``."""
+
+    def __init__(
+        self, trainer: Trainer, validator: Validator, checkpoints: CheckpointManager, metrics: MetricsLog
+    ) -> None:
+        self.trainer = trainer
+        self.validator = validator
+        self.checkpoints = checkpoints
+        self.metrics = metrics
+        #: Optimizer steps skipped in a row; ``max_consecutive_skips`` of them stop training.
+        self.consecutive_skips = 0
+
+    def run(self) -> None:
+        """Train from ``trainer.progress.global_step`` on (a resume's step, or 0)."""
+        trainer = self.trainer
+        s, hook, progress, watchdog = trainer.settings, trainer.pm, trainer.progress, trainer._watchdog
+        assert trainer.data is not None
+        epoch = None
+        for batch in trainer.data.steps(progress.global_step):
+            step = batch.step
+            watchdog.mark(step, "forward_backward")
+            if batch.epoch != epoch:
+                epoch = batch.epoch
+                hook.unison_on_train_epoch_start(trainer=trainer, epoch=epoch)
+            output = self.train_step(batch)
+            progress.global_step = done = step + 1
+            progress.history.append(output)
+            watchdog.mark(step, "step_end")
+            hook.unison_on_train_step_end(trainer=trainer, step=step, output=output)
+            if done % s.log_every_n_steps == 0:
+                self.metrics.log_step(output)
+            if batch.last_in_epoch:
+                hook.unison_on_train_epoch_end(trainer=trainer, epoch=epoch)
+            if self.validator.should_validate(done):
+                watchdog.mark(step, "validation")
+                trainer.validate()
+                self.validator.last_validated = done
+            if self.checkpoints.should_save(done):
+                watchdog.mark(step, "checkpoint")
+                trainer.save_checkpoint()
+            watchdog.mark(step, "stop_agreement")
+            if self.agree_to_stop():
+                break
+            watchdog.mark(done, "data")
+
+    def agree_to_stop(self) -> bool:
+        """Combine every rank's ``should_stop`` and stop request (signal) at the step boundary.
+
+        Any rank stopping stops all, after the same optimizer step: one small
+        all-reduce on the CPU control group carries both flags. A stop request
+        (SIGTERM/SIGUSR1 on any rank) commits a checkpoint and raises
+        :class:`~unison.launch.lifecycle.Preempted` on every rank.
+        """
+        trainer = self.trainer
+        env, guard = trainer.env, trainer._guard
+        requested = guard.received if guard is not None else None
+        if env is not None and env.distributed and env.world_size > 1:
+            signum = guard.signum if guard is not None else 0
+            flags = torch.tensor([float(trainer.should_stop), float(requested is not None), float(signum)])
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=trainer._control_group)
+            trainer.should_stop = bool(flags[0].item())
+            if flags[1].item() and requested is None:
+                # Every rank names the signal, whichever rank it reached first.
+                shared = int(flags[2].item())
+                requested = signal.Signals(shared).name if shared else "a stop request on another rank"
+        if requested is not None and guard is not None:
+            guard.preempt(trainer, requested)
+        return trainer.should_stop
+
+    # -- one optimizer step -------------------------------------------------- #
+    def train_step(self, batch: Any) -> StepOutput:
+        """One optimizer step on ``batch`` (a step of :meth:`TrainData.steps`), on every rank alike."""
+        trainer = self.trainer
+        s, hook, strategy, precision = trainer.settings, trainer.pm, trainer.strategy, trainer.precision
+        assert precision is not None and trainer.env is not None
+        step = batch.step
+        hook.unison_on_train_step_start(trainer=trainer, step=step)
+        losses = self.forward_backward(batch.micro_batches)
+        trainer._watchdog.mark(step, "optimizer_step")
+        hook.unison_on_after_backward(trainer=trainer, step=step)
+
+        # Every micro-batch's loss and the step's tokens, summed over replicas in one collective.
+        local = torch.stack([loss.detach().float().reshape(()) for loss in losses])
+        tokens = None
+        if batch.tokens is not None:
+            local = torch.cat([local, torch.tensor([float(batch.tokens)], device=local.device)])
+        reduced = strategy.reduce_sum(local)
+        replicas = strategy.data_parallel_size(trainer.env.world_size)
+        micro = reduced[: len(losses)] / replicas
+        if batch.tokens is not None:
+            tokens = reduced[len(losses)]
+
+        precision.unscale_gradients(strategy.optimizer)
+        grad_norm = strategy.clip_grad_norm(s.grad_clip_norm).detach()
+        lrs = [float(g["lr"]) for g in strategy.optimizer.param_groups]  # type: ignore[union-attr]
+        finite = True
+        if precision.skips_overflow or trainer.nonfinite != "continue":
+            # One device-to-host read: the global norm and the replica-averaged
+            # losses are the same on every rank, so every rank decides alike.
+            finite = bool(torch.isfinite(grad_norm) & torch.isfinite(micro).all())
+            if not finite and not precision.skips_overflow and trainer.nonfinite == "raise":
+                self.raise_nonfinite(step, local[: len(losses)], grad_norm)
+        hook.unison_on_before_optimizer_step(trainer=trainer, step=step, grad_norm=grad_norm)
+        if finite or precision.skips_overflow:
+            skipped = precision.step(strategy.optimizer_step, strategy.optimizer, finite)
+        else:  # nonfinite == "skip"
+            skipped = True
+        self._count(skipped)
+        strategy.zero_grad()
+        hook.unison_on_after_optimizer_step(trainer=trainer, step=step, skipped=skipped)
+        if self.consecutive_skips >= trainer.max_consecutive_skips:
+            raise NonFiniteError(
+                f"step {step}: {self.consecutive_skips} optimizer steps in a row were skipped (non-finite "
+                "gradients: fp16 overflow or NaN/inf losses); training is not progressing. Fix: check the data and "
+                "the loss for NaN/inf, lower the learning rate, or use bf16-mixed; max_consecutive_skips sets the limit"
+            )
+        return StepOutput(step, micro, grad_norm, lrs, skipped, s.global_batch_size, tokens)
+
+    def _count(self, skipped: bool) -> None:
+        """The progress counters after an optimizer step; the scheduler steps only with the optimizer."""
+        trainer = self.trainer
+        progress = trainer.progress
+        if not skipped:
+            progress.optimizer_steps += 1
+            self.consecutive_skips = 0
+            if trainer.lr_scheduler is not None:
+                trainer.lr_scheduler.step()
+                progress.scheduler_steps += 1
+        else:
+            progress.skipped_steps += 1
+            self.consecutive_skips += 1
+
+    def raise_nonfinite(self, step: int, local: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Raise on every rank, naming the first micro-batch and rank whose loss was non-finite."""
+        trainer = self.trainer
+        env = trainer.env
+        assert env is not None
+        flags = [bool(torch.isfinite(v)) for v in local.cpu()]
+        per_rank: list[Any] = [flags]
+        if env.distributed and env.world_size > 1:
+            per_rank = [None] * env.world_size
+            torch.distributed.all_gather_object(per_rank, flags, group=trainer._control_group)
+        where = next(
+            (f"micro-batch {m} on rank {r}" for m in range(len(flags)) for r, f in enumerate(per_rank) if not f[m]),
+            None,
+        )
+        what = (
+            f"the loss was non-finite first at {where}"
+            if where is not None
+            else f"the losses were finite but the global grad norm is {float(grad_norm)}"
+        )
+        raise NonFiniteError(
+            f"step {step}: {what}; no optimizer step or checkpoint was taken from it. Fix: check the data and the loss "
+            "for NaN/inf (or pass nonfinite='skip' to skip such steps, or 'continue' to train on)"
+        )
+
+    def forward_backward(self, micro_batches: Sequence[Any]) -> list[torch.Tensor]:
+        """Forward and backward over one step's micro-batches, fed as the strategy's accumulation declares.
+
+        The one place the declaration is read: a schedule (pipeline) takes
+        them all at once; trainer-owned accumulation divides each loss by the
+        micro-batch count and, with boundary sync, skips gradient sync until
+        the last micro-step; an engine scales by its own count and its
+        boundary must agree with the trainer's.
+        """
+        trainer = self.trainer
+        accumulation = trainer.ownership.grad_accumulation
+        strategy, precision = trainer.strategy, trainer.precision
+        assert precision is not None
+        if accumulation.owner is AccumulationOwner.SCHEDULE:
+            pairs = [tuple(b) for b in micro_batches]
+            return strategy.forward_backward(pairs, trainer.loss_fn, precision)  # type: ignore[attr-defined]
+        n = len(micro_batches)
+        defer = accumulation.owner is AccumulationOwner.TRAINER and accumulation.sync is GradSync.BOUNDARY
+        losses = []
+        for i, batch in enumerate(micro_batches):
+            last = i == n - 1
+            # Trainer-owned, boundary sync: skip gradient sync until the last micro-step.
+            sync = strategy.no_sync() if defer and not last else contextlib.nullcontext()  # type: ignore[attr-defined]
+            with sync:
+                with precision.forward_context():
+                    loss = self.loss(batch)
+                if accumulation.owner is AccumulationOwner.TRAINER:
+                    # The one place the loss is divided for accumulation.
+                    strategy.backward(precision.scale_loss(loss / n))
+                else:
+                    # Engine-owned: the engine scales by its own count.
+                    strategy.backward(precision.scale_loss(loss))
+                    if strategy.is_accumulation_boundary() != last:  # type: ignore[attr-defined]
+                        raise RuntimeError(
+                            f"strategy {strategy.name!r} owns accumulation but its boundary disagrees with the "
+                            f"trainer's at micro-step {i + 1}/{n}: check its accumulation settings"
+                        )
+            losses.append(loss)
+        return losses
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """One micro-batch's mean loss in the fit's form, checked to be a scalar tensor."""
+        trainer = self.trainer
+        precision = trainer.precision
+        assert precision is not None
+        if trainer.training_step is not None:
+            loss = trainer.training_step(trainer.strategy.model, precision.convert_input(batch))
+            name = "training_step"
+        else:
+            inputs, targets = batch
+            loss = trainer.loss_fn(trainer.strategy.forward(precision.convert_input(inputs)), targets)  # type: ignore[misc]
+            name = "loss_fn"
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ConfigurationError(
+                name,
+                f"{name} returned {got}; the trainer needs the micro-batch's mean loss as a scalar tensor",
+                "return a 0-dim tensor that requires grad (e.g. reduce with .mean(); do not call .item())",
+            )
+        return loss

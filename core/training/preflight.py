@@ -1,0 +1,367 @@
+"""Everything a fit checks and builds before any process group exists.
+
+A bad option, model, loss or optimizer must fail in seconds, on every rank
+alike, before a rendezvous or a strategy's setup: here are the settings
+checked against the strategy's declaration (:func:`build_strategy`, also run
+by launchers before workers start), the loss form, the model built (seeded
+when given as a factory), the optimizer and scheduler factories probed on the
+real parameters, the first batch's shape, and the resume request with its run
+directory and checkpoint directory (:func:`prepare_fit` runs them in order).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unison.checkpointing.checkpointer import check_resume_step, resume_point
+from unison.checkpointing.resume import CkptPath, ResumeRequest
+from unison.contract.env import resolve_accelerator
+from unison.contract.ownership import Feature
+from unison.contract.settings import TrainerSettings
+from unison.contract.state import seed_everything
+from unison.contract.strategy import LossFn, Strategy, check_contract
+from unison.data.loader import TrainData, check_divisible
+from unison.errors import ConfigurationError, DeclaredRefusal
+from unison.launch.lifecycle import collective_timeout_s
+from unison.launch.watchdog import check_stall_timeout
+from unison.plugin.manager import PluginManager
+from unison.training import runs
+from unison.training.validation import ValidationSource, resolve_validation
+
+if TYPE_CHECKING:
+    from unison.training.trainer import Trainer
+
+OptimizerArg = Callable[[Any], torch.optim.Optimizer]
+SchedulerArg = Callable[[torch.optim.Optimizer], Any]
+TrainingStep = Callable[[Any, Any], torch.Tensor]
+
+__all__ = [
+    "FitInputs",
+    "OptimizerArg",
+    "SchedulerArg",
+    "TrainingStep",
+    "build_model",
+    "build_strategy",
+    "check_loss_fn",
+    "checked_optimizer",
+    "prepare_fit",
+    "probe_optimizer",
+]
+
+
+def refuse(strategy: Strategy, feature: Feature, option: str, fix: str) -> None:
+    reason = strategy.ownership.refusal(feature)
+    if reason is not None:
+        raise DeclaredRefusal(
+            option,
+            f"strategy {strategy.name!r} declares it does not support {feature.description}: {reason}",
+            fix + f" (see `unison describe {strategy.name}`)",
+            feature=feature.value,
+        )
+
+
+def build_strategy(settings: TrainerSettings, pm: PluginManager, world_size: int) -> Strategy:
+    """Create the strategy and check the settings against its declaration for ``world_size`` ranks.
+
+    Everything here runs before any process group exists; launchers call it
+    too so that bad input fails before workers start.
+    """
+    strategy = pm.strategies.create(settings.strategy, settings.strategy_options)
+    check_contract(strategy)
+    ownership = strategy.ownership
+    support = ownership.precision_support(settings.precision)
+    if not support.supported:
+        raise DeclaredRefusal(
+            "precision",
+            f"strategy {settings.strategy!r} does not support precision {settings.precision!r}: {support.detail}",
+            f"pick a precision the strategy supports (see `unison describe {settings.strategy}`)",
+            feature=f"precision:{settings.precision}",
+        )
+    if support.applied_by_trainer:
+        spec = pm.precisions.get(settings.precision)
+        if spec.unavailable:
+            raise ConfigurationError(
+                "precision", f"{spec.name!r} is unavailable here: {spec.unavailable}", "pick another precision"
+            )
+    refused_world = ownership.world_sizes.refusal(world_size)
+    if refused_world is not None:
+        raise DeclaredRefusal(
+            "world size",
+            f"strategy {settings.strategy!r} cannot run here: {refused_world}",
+            "launch a world size the strategy declares (see `unison describe " + settings.strategy + "`)",
+            feature="world_size",
+        )
+    if settings.accumulate_grad_batches > 1:
+        refuse(strategy, Feature.GRADIENT_ACCUMULATION, "accumulate_grad_batches", "set accumulate_grad_batches=1")
+    if settings.grad_clip_norm is not None:
+        refuse(strategy, Feature.GRADIENT_CLIPPING, "grad_clip_norm", "set grad_clip_norm=None")
+    resolve_accelerator(settings.accelerator)
+    strategy.validate(settings, world_size)
+    check_divisible(
+        settings.global_batch_size, settings.accumulate_grad_batches, strategy.data_parallel_size(world_size)
+    )
+    return strategy
+
+
+def check_callable(value: Any, option: str, shape: str, example: str, arity: int) -> None:
+    if not callable(value):
+        raise ConfigurationError(
+            option, f"expected a callable {shape}, got {type(value).__name__}", f"pass e.g. {example}"
+        )
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    try:
+        signature.bind(*([object()] * arity))
+    except TypeError as exc:
+        raise ConfigurationError(
+            option, f"{option}{signature} cannot be called as {shape} ({exc})", f"pass e.g. {example}"
+        ) from None
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """The trainer calls ``loss_fn(outputs, targets)`` and nothing else, on every backend.
+
+    Pipelines compute the loss on the last stage, which holds only the model's
+    outputs and the targets; a loss that needs more (the inputs, the model)
+    could never run there, so it is refused for every strategy alike.
+    """
+    check_callable(
+        loss_fn,
+        "loss_fn",
+        "loss_fn(outputs, targets)",
+        "torch.nn.functional.cross_entropy; compute anything that needs the inputs inside the model's forward, or "
+        "use training_step=lambda model, batch: ... (a pipeline's last stage has only its outputs and the targets)",
+        2,
+    )
+
+
+def build_model(model: Any, seed: int) -> torch.nn.Module:
+    """The model, built after seeding when ``model`` is a zero-argument factory."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    if not callable(model):
+        raise ConfigurationError(
+            "model",
+            f"expected an nn.Module or a zero-argument factory returning one, got {type(model).__name__}",
+            "pass the model, or `lambda: MyModel(config)`",
+        )
+    # Seed first: reruns and every rank build identical weights.
+    seed_everything(seed)
+    built = model()
+    if not isinstance(built, torch.nn.Module):
+        raise ConfigurationError(
+            "model",
+            f"the model factory returned {type(built).__name__}, not a torch.nn.Module",
+            "return the constructed module from the factory",
+        )
+    return built
+
+
+def probe_optimizer(optimizer: Any, lr_scheduler: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """Call the factories once on the real parameters, check what they return; return the probe optimizer."""
+    check_callable(optimizer, "optimizer", "optimizer(params)", "lambda params: torch.optim.AdamW(params, lr=1e-3)", 1)
+    if isinstance(optimizer, torch.optim.Optimizer):  # pragma: no cover - caught by the callable check above
+        raise ConfigurationError("optimizer", "got an Optimizer instance", "pass a factory: lambda params: ...")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = checked_optimizer(optimizer, trainable)
+    if lr_scheduler is not None:
+        check_callable(
+            lr_scheduler,
+            "lr_scheduler",
+            "lr_scheduler(optimizer)",
+            "lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)",
+            1,
+        )
+        check_scheduler(lr_scheduler(opt))
+    return opt
+
+
+def checked_optimizer(factory: OptimizerArg, params: Any) -> torch.optim.Optimizer:
+    """``factory(params)``, refused unless it is an Optimizer over every trainable parameter given."""
+    params = list(params)
+    opt = factory(params)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigurationError(
+            "optimizer",
+            f"the optimizer factory returned {type(opt).__name__}, not a torch.optim.Optimizer",
+            "return e.g. torch.optim.AdamW(params, lr=1e-3) built on the params argument",
+        )
+    given = {id(p) for p in params if isinstance(p, torch.Tensor) and p.requires_grad}
+    for group in params:
+        if isinstance(group, Mapping):
+            given |= {id(p) for p in group["params"] if p.requires_grad}
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    missing = given - held
+    if missing:
+        raise ConfigurationError(
+            "optimizer",
+            f"the optimizer holds {len(given) - len(missing)} of the {len(given)} trainable parameters it was given "
+            "(a factory that ignores its argument trains nothing)",
+            "build the optimizer on the params argument: lambda params: torch.optim.AdamW(params, lr=1e-3)",
+        )
+    return opt
+
+
+def check_scheduler(scheduler: Any) -> None:
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigurationError(
+            "lr_scheduler",
+            "ReduceLROnPlateau steps on a monitored metric, but the trainer steps the scheduler "
+            "once per optimizer step without one",
+            "use a step-based scheduler (e.g. CosineAnnealingLR, LambdaLR)",
+        )
+    if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        raise ConfigurationError(
+            "lr_scheduler",
+            f"the scheduler factory returned {type(scheduler).__name__}, not a torch LRScheduler",
+            "return e.g. torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100) built on its argument",
+        )
+
+
+# --------------------------------------------------------------------------- #
+# One fit's checks, in the order fit makes them
+# --------------------------------------------------------------------------- #
+
+
+@dataclass
+class FitInputs:
+    """What :func:`prepare_fit` checked and built: all a fit needs once the process group is up."""
+
+    model: torch.nn.Module
+    data: TrainData
+    validation: ValidationSource | None
+    resume: ResumeRequest
+
+
+def check_form(strategy: Strategy, loss_fn: LossFn | None, training_step: TrainingStep | None) -> None:
+    """Exactly one of the two batch forms, callable as the trainer calls it, and taken by the strategy."""
+    if (loss_fn is None) == (training_step is None):
+        raise ConfigurationError(
+            "loss_fn/training_step",
+            "pass exactly one of loss_fn and training_step",
+            "loss_fn=... for (inputs, targets) batches, or training_step=lambda model, batch: ... for any batch",
+        )
+    if training_step is not None:
+        check_callable(
+            training_step,
+            "training_step",
+            "training_step(model, batch)",
+            "lambda model, batch: model(**batch).loss",
+            2,
+        )
+        refuse(strategy, Feature.TRAINING_STEP, "training_step", "use loss_fn=... with (inputs, targets) batches")
+    else:
+        check_loss_fn(loss_fn)
+        refuse(strategy, Feature.LOSS_FN, "loss_fn", "use training_step=lambda model, batch: ...")
+
+
+def check_resume(trainer: Trainer, resume: ResumeRequest) -> None:
+    """``auto``/``last`` need a directory to look in; any resume needs a strategy that declares it."""
+    if resume.fresh:
+        return
+    if resume.newest and trainer.checkpointer is None and trainer.settings.root_dir is None:
+        raise ConfigurationError(
+            "ckpt_path",
+            f"{str(resume)!r} needs a root_dir or checkpoint_dir",
+            "set root_dir (or checkpoint_dir), or pass a path",
+        )
+    refuse(trainer.strategy, Feature.RESUME, "ckpt_path", "start without ckpt_path")
+
+
+def check_model(
+    model: Any, strategy: Strategy, settings: TrainerSettings, optimizer: Any, lr_scheduler: Any
+) -> torch.nn.Module:
+    """The model built (seeded), with something to train, and accepted by the strategy with its optimizer."""
+    built = build_model(model, settings.seed)
+    if not any(p.requires_grad for p in built.parameters()):
+        raise ConfigurationError(
+            "model",
+            f"{type(built).__name__} has no trainable parameters",
+            "pass a model with parameters that require grad",
+        )
+    # Model features (tied weights, buffers, ...) are refused by the
+    # strategy's own check, which may be narrower than the feature (a
+    # pipeline refuses weights tied *across stages*); the declaration says so.
+    strategy.validate_model(built, settings)
+    strategy.validate_optimizer(probe_optimizer(optimizer, lr_scheduler, built), settings)
+    return built
+
+
+def check_first_batch(batch: Any, loss_fn_form: bool) -> None:
+    """The first collated batch has one batch dimension, and is a pair in the ``loss_fn`` form."""
+    from unison.data.batch import batch_size
+
+    batch_size(batch, where="batch")  # leaves must agree on the batch dimension
+    if loss_fn_form and not (isinstance(batch, (list, tuple)) and len(batch) == 2):
+        shape = (
+            f"a {type(batch).__name__} with keys {list(batch)[:6]}"
+            if isinstance(batch, Mapping)
+            else f"a {type(batch).__name__}" + (f" of {len(batch)} items" if isinstance(batch, (list, tuple)) else "")
+        )
+        raise ConfigurationError(
+            "loss_fn",
+            f"the loss_fn form needs each batch to be (inputs, targets), but the collated batch is {shape}",
+            "pass training_step=lambda model, batch: ... (e.g. model(**batch).loss) for batches of any "
+            "structure, or make the dataset return (input, target) pairs",
+        )
+
+
+def prepare_checkpoints(trainer: Trainer, resume: ResumeRequest, world_size: int) -> None:
+    """The run directory and its checkpointer (:func:`unison.training.runs.prepare`); the checkpoint
+    directory writable and not another run's; the resume point within ``max_steps``."""
+    s = trainer.settings
+    runs.prepare(trainer, resume, world_size)
+    if trainer.checkpointer is not None:
+        trainer.checkpointer.preflight(resume, s.max_steps)  # writable; the resume point exists, within max_steps
+        trainer.checkpointer.claim(resume)  # never write into another run's checkpoints
+    elif resume.path is not None:
+        check_resume_step(resume_point(resume.path), s.max_steps)
+
+
+def prepare_fit(
+    trainer: Trainer,
+    model: Any,
+    train_dataset: Any,
+    *,
+    loss_fn: LossFn | None,
+    training_step: TrainingStep | None,
+    optimizer: Any,
+    lr_scheduler: Any,
+    val_dataset: Any,
+    collate_fn: Any,
+    ckpt_path: CkptPath,
+    count_tokens: Any,
+    rank: int,
+    world_size: int,
+) -> FitInputs:
+    """Every check of :meth:`Trainer.fit <unison.training.trainer.Trainer.fit>` that needs no process group.
+
+    Sets the trainer's ``run_dir``, ``checkpointer`` and ``resumed_from``
+    (:func:`unison.training.runs.prepare`); creates nothing else outside
+    this process but the run directory.
+    """
+    s, strategy = trainer.settings, trainer.strategy
+    check_form(strategy, loss_fn, training_step)
+    resume = ResumeRequest.parse(ckpt_path)
+    check_resume(trainer, resume)
+    built = check_model(model, strategy, s, optimizer, lr_scheduler)
+    data = TrainData(
+        train_dataset,
+        collate_fn,
+        s,
+        data_parallel_size=strategy.data_parallel_size(world_size),
+        data_parallel_rank=strategy.data_parallel_rank(rank, world_size),
+        token_counter=count_tokens,
+    )
+    check_first_batch(data.first_micro_batch(), loss_fn is not None)
+    validation = resolve_validation(val_dataset, collate_fn, s) if val_dataset is not None else None
+    prepare_checkpoints(trainer, resume, world_size)
+    check_stall_timeout(s.stall_timeout_s, collective_timeout_s())
+    return FitInputs(built, data, validation, resume)

@@ -1,0 +1,111 @@
+"""Validation: when a fit validates, and the validation loop itself.
+
+The :class:`Validator` owns its policy, so the training loop only asks it:
+:meth:`Validator.should_validate` after each step (every
+``val_every_n_steps``), and :meth:`Validator.should_validate_at_end` once
+after the last step (always, unless that step just validated). Both need a
+``val_dataset``. :meth:`Validator.validate` computes the mean loss over every
+validation sample once, weighted by samples and reduced over data-parallel
+replicas, so every rank and every backend reports the same number.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from unison.contract.settings import TrainerSettings
+from unison.data.loader import is_map_style, resolve_source, validation_stream
+from unison.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from unison.training.metrics import MetricsLog
+    from unison.training.trainer import Trainer
+
+#: A resolved validation set: ``(source, collate_fn, loader options)``.
+ValidationSource = tuple[Any, Any, Any]
+
+__all__ = ["ValidationSource", "Validator", "resolve_validation"]
+
+
+def resolve_validation(val_dataset: Any, collate_fn: Any, settings: TrainerSettings) -> ValidationSource:
+    """``val_dataset`` as the loader reads it; an empty one is refused (before any process group)."""
+    source, collate, options = resolve_source(val_dataset, collate_fn, settings, what="val_dataset")
+    empty = len(source) == 0 if is_map_style(source) else next(iter(source), None) is None
+    if empty:
+        raise ConfigurationError(
+            "val_dataset", "the validation dataset is empty", "pass a non-empty val_dataset, or none"
+        )
+    return source, collate, options
+
+
+class Validator:
+    """Validates the fit's model on its ``val_dataset`` (or another dataset on request).
+
+    Created by ``fit`` once the strategy is set up; ``trainer`` is passed to
+    the validation hooks and supplies the strategy, precision and data
+    layout (replicas, this rank); the result goes to the loggers through
+    ``metrics``.
+    """
+
+    def __init__(self, trainer: Trainer, source: ValidationSource | None, metrics: MetricsLog) -> None:
+        self._trainer = trainer
+        self._metrics = metrics
+        self._source = source
+        self._every_n_steps = trainer.settings.val_every_n_steps
+        #: The step the loop last validated at (``None``: not yet in this fit).
+        self.last_validated: int | None = None
+
+    def should_validate(self, step: int) -> bool:
+        """Whether the loop validates after ``step`` optimizer steps (``val_every_n_steps``)."""
+        return self._source is not None and bool(self._every_n_steps) and step % self._every_n_steps == 0
+
+    def should_validate_at_end(self, step: int) -> bool:
+        """Whether ``fit`` validates after its last step ``step``: always with a val_dataset, unless just done."""
+        return self._source is not None and self.last_validated != step
+
+    @torch.no_grad()
+    def validate(self, dataset: Any = None) -> dict[str, float]:
+        """Mean loss over the validation set (every sample once, reduced over replicas); on every rank.
+
+        ``dataset`` replaces the fit's ``val_dataset`` for this call.
+        """
+        trainer = self._trainer
+        s, strategy, precision, data, env = (
+            trainer.settings,
+            trainer.strategy,
+            trainer.precision,
+            trainer.data,
+            trainer.env,
+        )
+        assert env is not None and precision is not None and data is not None
+        source, collate, options = resolve_validation(dataset, None, s) if dataset is not None else self._source
+        step = trainer.progress.global_step
+        trainer.pm.unison_on_validation_start(trainer=trainer, step=step)
+        model = strategy.module
+        was_training = model.training
+        model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=env.device)
+        per_forward = s.val_batch_size * data.replicas
+        num_batches = -(-len(source) // per_forward) if is_map_style(source) else None  # for progress displays
+        stream = validation_stream(source, collate, s.val_batch_size, data.replicas, data.rank, options, s.seed)
+        for i, (batch, weight) in enumerate(stream):
+            batch = strategy.to_device(batch)
+            with precision.forward_context():
+                if trainer.training_step is not None:
+                    loss = trainer.training_step(strategy.model, precision.convert_input(batch))
+                else:
+                    inputs, targets = batch
+                    loss = strategy.eval_loss(precision.convert_input(inputs), targets, trainer.loss_fn)
+            total += torch.stack(
+                [loss.detach().double() * weight, torch.tensor(float(weight), dtype=torch.float64, device=total.device)]
+            )
+            trainer.pm.unison_validation_progress(trainer=trainer, step=step, batch_idx=i, num_batches=num_batches)
+        model.train(was_training)
+        total = strategy.reduce_sum(total)
+        metrics = {"val/loss": float(total[0] / total[1])}
+        trainer.last_validation = metrics
+        trainer.pm.unison_on_validation_end(trainer=trainer, step=step, metrics=metrics)
+        self._metrics.emit(metrics)
+        return metrics
