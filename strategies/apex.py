@@ -375,13 +375,11 @@ class DistributedFusedAdamStrategy(Strategy):
         adam_hyperparameters(optimizer, strategy=self.name)
 
     # -- setup -------------------------------------------------------------------- #
-    def setup(
-        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
-    ) -> None:
-        env = self.env
-        assert env is not None
-        module = module.to(env.device)
-        self.module = self.model = module
+    def build_optimizer(self, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        """DistributedFusedAdam with the factory's Adam hyper-parameters (the base's setup moved the module
+        and left it unwrapped: the optimizer itself synchronises gradients)."""
+        env, module = self.env, self.module
+        assert env is not None and module is not None
         # All parameters, as ddp passes them: the factory's groups (frozen
         # parameters included) are the layout of the ddp/single checkpoint.
         recipe = make_optimizer(module.parameters())
@@ -419,7 +417,7 @@ class DistributedFusedAdamStrategy(Strategy):
         # Step hooks the user registered on the factory's optimizer fire on the one that steps.
         copy_step_hooks(recipe, optimizer)
         self._recipe = recipe
-        self.optimizer = optimizer
+        return optimizer
 
     def _process_groups(self) -> tuple[Any, Any]:
         """``(distributed_process_group, redundant_process_group)``; ``(None, None)`` shards over the world."""

@@ -58,7 +58,7 @@ from typing import Any
 import pydantic
 import torch
 
-from unison.contract.env import resolve_accelerator
+from unison.contract.env import DistEnv, resolve_accelerator
 from unison.contract.ownership import (
     AccumulationOwner,
     GradAccumulation,
@@ -345,9 +345,16 @@ class FSDP2Strategy(_ShardedStrategy):
         )
 
     def setup(
-        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+        self,
+        module: torch.nn.Module,
+        make_optimizer: OptimizerFactory,
+        *,
+        env: DistEnv | None = None,
+        precision: Any,
+        settings: Any,
     ) -> None:
-        env = self.env
+        # Its own setup: mesh, per-unit sharding policies and the root are one sequence.
+        self.env = env = env or self.env
         assert env is not None
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
@@ -450,9 +457,16 @@ class FSDP1Strategy(_ShardedStrategy):
         )
 
     def setup(
-        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+        self,
+        module: torch.nn.Module,
+        make_optimizer: OptimizerFactory,
+        *,
+        env: DistEnv | None = None,
+        precision: Any,
+        settings: Any,
     ) -> None:
-        env = self.env
+        # Its own setup: mesh, per-unit sharding policies and the root are one sequence.
+        self.env = env = env or self.env
         assert env is not None
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
