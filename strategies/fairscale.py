@@ -12,9 +12,10 @@
   every machine; unavailable without CUDA (fairscale's FSDP calls CUDA streams
   unconditionally).
 
-fairscale is imported lazily in ``setup``: listing or describing strategies
-must work where fairscale is not installed (the specs then say why they are
-unavailable).
+fairscale is imported lazily (when a strategy sets up): listing or describing
+strategies must work where fairscale is not installed (the specs then say why
+they are unavailable). The three backends stay in one module past 400 lines:
+they share that rule, the option models and the registration.
 
 Why ``fairscale_sdp`` zeroes gradients through the model
 ---------------------------------------------------------
