@@ -18,7 +18,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # Public name -> the submodule that defines it.
 _EXPORTS = {

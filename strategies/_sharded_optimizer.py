@@ -39,8 +39,9 @@ Decisions, and why:
   optimizer state at save (rank 0) and load (every rank); the training-time
   footprint stays sharded.
 
-:class:`OptimizerRecipe` and :func:`save_consolidated` / :func:`load_into_sharded`
-are shared by the fairscale OSS strategies, which have the same shape.
+:class:`OptimizerSharding` is the component a strategy holds to shard its
+optimizer (:class:`ShardedOptimizerStrategy` for ``torch_zero`` and
+``fairscale_oss``, which differ only in the component; ``fairscale_sdp``).
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ from unison.contract.ownership import (
     StateDictDeclaration,
     StateDictKind,
 )
+from unison.contract.replicated import TRAINER_PRECISION, ReplicatedStrategy
 from unison.contract.strategy import OptimizerFactory
 from unison.errors import ConfigurationError
-from unison.strategies._torch import TRAINER_PRECISION, ReplicatedStrategy
+from unison.strategies.ddp import distributed_data_parallel
 
 #: The checkpoint format shared with ``ddp`` and ``single``.
 CONSOLIDATED_DCP_STATE = StateDictDeclaration(
@@ -191,7 +193,7 @@ def _zero_redundancy_optimizer() -> type[torch.optim.Optimizer]:
     import after init_process_group pins that group for the life of the process and its
     gloo threads outlive destroy_process_group (see
     unison.launch.lifecycle.drain_collective_threads for what that costs at exit).
-    :class:`TorchZeroStrategy` therefore imports it when it is constructed, which the
+    :func:`zero_redundancy_sharding` therefore imports it when the strategy is constructed, which the
     trainer does before it starts the process group.
     """
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -267,81 +269,130 @@ def sharded_state_bytes(local_optimizer: torch.optim.Optimizer) -> int:
 
 
 # --------------------------------------------------------------------------- #
-# The strategy
+# The component and the strategy
 # --------------------------------------------------------------------------- #
 
 
-class TorchZeroStrategy(ReplicatedStrategy):
-    """DDP for gradients, ``ZeroRedundancyOptimizer`` for a sharded optimizer state.
+class OptimizerSharding:
+    """Optimizer-state sharding as a part a strategy holds (composition, not a base class).
+
+    ``make`` builds the sharding optimizer (ZeroRedundancyOptimizer, fairscale
+    OSS) from the user's :class:`OptimizerRecipe`; ``consolidate`` gathers its
+    full state on rank 0 (collective). The strategy delegates building, saving,
+    loading and the memory count to it, so ``torch_zero``, ``fairscale_oss`` and
+    ``fairscale_sdp`` share it without sharing a class chain.
+    """
+
+    def __init__(
+        self,
+        make: Callable[[OptimizerRecipe], torch.optim.Optimizer],
+        consolidate: Callable[[Any], None],
+        description: str,
+        notes: tuple[str, ...],
+    ) -> None:
+        self._make, self._consolidate = make, consolidate
+        #: How the sharding optimizer steps (the ownership's accumulation text ends with it).
+        self.description = description
+        #: The ownership notes of a strategy holding this component.
+        self.notes = notes
+        self.recipe: OptimizerRecipe | None = None
+        self.optimizer: Any = None
+
+    def build(self, make_optimizer: OptimizerFactory, module: torch.nn.Module, *, strategy: str) -> Any:
+        """The sharding optimizer over the factory's class, defaults and groups (kept for save and load)."""
+        self.recipe = OptimizerRecipe.from_factory(make_optimizer, module.parameters(), strategy=strategy)
+        self.optimizer = self._make(self.recipe)
+        return self.optimizer
+
+    def save(self, module: torch.nn.Module, directory: Path) -> None:
+        assert self.recipe is not None
+        save_consolidated(module, self.recipe, self.optimizer, lambda: self._consolidate(self.optimizer), directory)
+
+    def load(self, module: torch.nn.Module, directory: Path) -> None:
+        assert self.recipe is not None
+        load_into_sharded(module, self.recipe, self.optimizer, directory)
+
+    def state_bytes(self) -> int:
+        """This rank's shard: the sharding optimizer's own ``.state`` is empty, the shard lives in its local
+        optimizer (``.optim`` for both ZeroRedundancyOptimizer and OSS)."""
+        return sharded_state_bytes(self.optimizer.optim)
+
+    def reset(self) -> None:
+        self.recipe = self.optimizer = None
+
+
+def zero_redundancy_sharding() -> OptimizerSharding:
+    """``torch.distributed.optim.ZeroRedundancyOptimizer`` as the component (imported now: see
+    :func:`_zero_redundancy_optimizer` why before any process group)."""
+    cls = _zero_redundancy_optimizer()
+    return OptimizerSharding(
+        lambda recipe: cls(
+            [dict(g) for g in recipe.param_groups], optimizer_class=recipe.shard_constructor(), **recipe.defaults
+        ),
+        lambda optimizer: optimizer.consolidate_state_dict(to=0),
+        "ZeroRedundancyOptimizer steps once per optimizer step (each rank updates its shard, then broadcasts it)",
+        (
+            "optimizer: the factory's class, defaults and param groups go to ZeroRedundancyOptimizer, whose local "
+            "optimizer is the factory's own instance re-pointed at this rank's shard",
+            "memory_footprint()['optimizer_state'] is this rank's shard only",
+        ),
+    )
+
+
+class ShardedOptimizerStrategy(ReplicatedStrategy):
+    """DDP for gradients, an :class:`OptimizerSharding` for a sharded optimizer state.
 
     Gradients are whole and equal on every rank after DDP's all-reduce, so the
     inherited clipping (local norm == global norm) and trainer-applied
     precisions (a plain GradScaler sees the same overflow on every rank) hold.
+    ``torch_zero`` holds ZeroRedundancyOptimizer, ``fairscale_oss`` fairscale's OSS.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sharding: OptimizerSharding) -> None:
         super().__init__()
-        _zero_redundancy_optimizer()  # now, before any process group (see there why)
-        self.recipe: OptimizerRecipe | None = None
+        self.sharding = sharding
 
     @property
     def ownership(self) -> Ownership:
         return Ownership(
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,
-                "DistributedDataParallel.no_sync() on non-boundary micro-steps; ZeroRedundancyOptimizer steps once "
-                "per optimizer step (each rank updates its shard, then broadcasts it)",
+                f"DistributedDataParallel.no_sync() on non-boundary micro-steps; {self.sharding.description}",
             ),
             precision=TRAINER_PRECISION,
             state_dict=CONSOLIDATED_DCP_STATE,
-            notes=(
-                "optimizer: the factory's class, defaults and param groups go to ZeroRedundancyOptimizer, whose local "
-                "optimizer is the factory's own instance re-pointed at this rank's shard",
-                "memory_footprint()['optimizer_state'] is this rank's shard only",
-            ),
+            notes=self.sharding.notes,
         )
 
-    def setup(
-        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
-    ) -> None:
-        env = self.env
-        assert env is not None
-        module = module.to(env.device)
-        self.module = module
-        self.model = DistributedDataParallel(
-            module, device_ids=[env.device.index] if env.device.type == "cuda" else None
-        )
-        self.recipe = OptimizerRecipe.from_factory(make_optimizer, module.parameters(), strategy=self.name)
-        self.optimizer = self._sharded_optimizer(self.recipe)
+    def wrap_module(self, module: torch.nn.Module) -> DistributedDataParallel:
+        assert self.env is not None
+        return distributed_data_parallel(module, self.env)
 
-    def _sharded_optimizer(self, recipe: OptimizerRecipe) -> torch.optim.Optimizer:
-        """The sharding optimizer over the recipe's class, defaults and groups."""
-        return _zero_redundancy_optimizer()(
-            [dict(g) for g in recipe.param_groups], optimizer_class=recipe.shard_constructor(), **recipe.defaults
-        )
-
-    def _consolidate(self) -> None:
-        """Gather the full optimizer state on rank 0 (collective)."""
-        self.optimizer.consolidate_state_dict(to=0)  # type: ignore[union-attr]
+    def build_optimizer(self, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        assert self.module is not None
+        return self.sharding.build(make_optimizer, self.module, strategy=self.name)
 
     def no_sync(self) -> AbstractContextManager[Any]:
         return self.model.no_sync()
 
     def save_state(self, directory: Path) -> None:
-        assert self.module is not None and self.optimizer is not None and self.recipe is not None
-        save_consolidated(self.module, self.recipe, self.optimizer, self._consolidate, directory)
+        assert self.module is not None
+        self.sharding.save(self.module, directory)
 
     def load_state(self, directory: Path) -> None:
-        assert self.module is not None and self.optimizer is not None and self.recipe is not None
-        load_into_sharded(self.module, self.recipe, self.optimizer, directory)
+        assert self.module is not None
+        self.sharding.load(self.module, directory)
 
     def memory_footprint(self) -> dict[str, int]:
-        footprint = super().memory_footprint()
-        # The sharding optimizer's own .state is empty: the shard lives in its
-        # local optimizer (``.optim`` for both ZeroRedundancyOptimizer and OSS).
-        footprint["optimizer_state"] = sharded_state_bytes(self.optimizer.optim)  # type: ignore[union-attr]
-        return footprint
+        return {**super().memory_footprint(), "optimizer_state": self.sharding.state_bytes()}
 
     def teardown(self) -> None:
         super().teardown()
-        self.recipe = None
+        self.sharding.reset()
+
+
+class TorchZeroStrategy(ShardedOptimizerStrategy):
+    """``torch_zero``: DDP + ZeroRedundancyOptimizer (the class only picks the component)."""
+
+    def __init__(self) -> None:
+        super().__init__(zero_redundancy_sharding())

@@ -9,11 +9,11 @@ import pydantic
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from unison.contract.env import DistEnv
 from unison.contract.ownership import AccumulationOwner, GradAccumulation, Ownership, ReplicaInit
-from unison.contract.strategy import OptimizerFactory
+from unison.contract.replicated import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
 from unison.plugin import hookimpl
 from unison.plugin.registry import StrategySpec
-from unison.strategies._torch import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
 
 
 class DDPOptions(pydantic.BaseModel):
@@ -31,7 +31,19 @@ class DDPOptions(pydantic.BaseModel):
     """Broadcast rank 0's buffers (BatchNorm statistics) at every forward."""
 
 
+def distributed_data_parallel(module: torch.nn.Module, env: DistEnv, **options: Any) -> DistributedDataParallel:
+    """``module`` wrapped in DistributedDataParallel on this rank's device (the wrapper of every DDP-based strategy).
+
+    Its constructor broadcasts rank 0's parameters and buffers, so replicas start equal.
+    """
+    return DistributedDataParallel(
+        module, device_ids=[env.device.index] if env.device.type == "cuda" else None, **options
+    )
+
+
 class DDPStrategy(ReplicatedStrategy):
+    """DistributedDataParallel around whole replicas; the base's setup, clipping and DCP checkpoints."""
+
     def __init__(self, **options: Any) -> None:
         super().__init__()
         self.options = DDPOptions(**options)
@@ -50,19 +62,9 @@ class DDPStrategy(ReplicatedStrategy):
             replica_init=ReplicaInit.STRATEGY,
         )
 
-    def setup(
-        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
-    ) -> None:
-        env = self.env
-        assert env is not None
-        module = module.to(env.device)
-        self.module = module
-        self.model = DistributedDataParallel(
-            module,
-            device_ids=[env.device.index] if env.device.type == "cuda" else None,
-            **self.options.model_dump(),
-        )
-        self.optimizer = make_optimizer(module.parameters())
+    def wrap_module(self, module: torch.nn.Module) -> DistributedDataParallel:
+        assert self.env is not None
+        return distributed_data_parallel(module, self.env, **self.options.model_dump())
 
     def no_sync(self) -> AbstractContextManager[Any]:
         return self.model.no_sync()

@@ -12,9 +12,10 @@
   every machine; unavailable without CUDA (fairscale's FSDP calls CUDA streams
   unconditionally).
 
-fairscale is imported lazily in ``setup``: listing or describing strategies
-must work where fairscale is not installed (the specs then say why they are
-unavailable).
+fairscale is imported lazily (when a strategy sets up): listing or describing
+strategies must work where fairscale is not installed (the specs then say why
+they are unavailable). The three backends stay in one module past 400 lines:
+they share that rule, the option models and the registration.
 
 Why ``fairscale_sdp`` zeroes gradients through the model
 ---------------------------------------------------------
@@ -40,12 +41,12 @@ from __future__ import annotations
 import types
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pydantic
 import torch
 
-from unison.contract.env import resolve_accelerator
+from unison.contract.env import DistEnv, resolve_accelerator
 from unison.contract.ownership import (
     AccumulationOwner,
     GradAccumulation,
@@ -55,55 +56,62 @@ from unison.contract.ownership import (
     StateDictDeclaration,
     StateDictKind,
 )
+from unison.contract.replicated import TRAINER_PRECISION, ReplicatedStrategy
+from unison.contract.settings import TrainerSettings
 from unison.contract.state import canonical
 from unison.contract.strategy import OptimizerFactory, Strategy
 from unison.errors import ConfigurationError
 from unison.plugin import hookimpl
 from unison.plugin.registry import StrategySpec, missing_modules
-from unison.strategies._sharded_optimizer import CONSOLIDATED_DCP_STATE, OptimizerRecipe, TorchZeroStrategy
-from unison.strategies._torch import TRAINER_PRECISION
+from unison.strategies._sharded_optimizer import (
+    CONSOLIDATED_DCP_STATE,
+    OptimizerRecipe,
+    OptimizerSharding,
+    ShardedOptimizerStrategy,
+)
 from unison.strategies._upstream.fairscale import remove_grad_hooks
 from unison.strategies._upstream.torch import FlagReducingGradScaler
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unison.contract.precision import Precision
 
 # --------------------------------------------------------------------------- #
 # fairscale_oss: OSS + torch DDP
 # --------------------------------------------------------------------------- #
 
 
-class FairscaleOSSStrategy(TorchZeroStrategy):
-    """torch DDP for gradients, fairscale OSS for a sharded optimizer state.
+def oss_sharding() -> OptimizerSharding:
+    """fairscale's OSS as the optimizer-sharding component (fairscale imported when the optimizer is built)."""
 
-    Everything but the optimizer is ``torch_zero``'s: DDP all-reduces whole
-    gradients (so local norm == global norm and a plain GradScaler sees the
-    same overflow on every rank); OSS steps this rank's shard and broadcasts
-    the updated parameters.
-    """
-
-    @property
-    def ownership(self) -> Ownership:
-        return Ownership(
-            grad_accumulation=GradAccumulation(
-                AccumulationOwner.TRAINER,
-                "DistributedDataParallel.no_sync() on non-boundary micro-steps; fairscale OSS steps once per "
-                "optimizer step (each rank updates its shard, then broadcasts it)",
-            ),
-            precision=TRAINER_PRECISION,
-            state_dict=CONSOLIDATED_DCP_STATE,
-            notes=(
-                "optimizer: the factory's class, defaults and param groups go to fairscale.optim.OSS, whose local "
-                "optimizer is the factory's own instance re-pointed at this rank's shard",
-                "save consolidates with OSS.consolidate_state_dict(recipient_rank=0)",
-                "memory_footprint()['optimizer_state'] is this rank's shard only",
-            ),
-        )
-
-    def _sharded_optimizer(self, recipe: OptimizerRecipe) -> torch.optim.Optimizer:
+    def make(recipe: OptimizerRecipe) -> torch.optim.Optimizer:
         from fairscale.optim import OSS
 
         return OSS([dict(g) for g in recipe.param_groups], optim=recipe.shard_constructor(), **recipe.defaults)
 
-    def _consolidate(self) -> None:
-        self.optimizer.consolidate_state_dict(recipient_rank=0)  # type: ignore[union-attr]
+    return OptimizerSharding(
+        make,
+        lambda optimizer: optimizer.consolidate_state_dict(recipient_rank=0),
+        "fairscale OSS steps once per optimizer step (each rank updates its shard, then broadcasts it)",
+        (
+            "optimizer: the factory's class, defaults and param groups go to fairscale.optim.OSS, whose local "
+            "optimizer is the factory's own instance re-pointed at this rank's shard",
+            "save consolidates with OSS.consolidate_state_dict(recipient_rank=0)",
+            "memory_footprint()['optimizer_state'] is this rank's shard only",
+        ),
+    )
+
+
+class FairscaleOSSStrategy(ShardedOptimizerStrategy):
+    """torch DDP for gradients, fairscale OSS for a sharded optimizer state.
+
+    ``torch_zero``'s strategy holding OSS instead of ZeroRedundancyOptimizer:
+    DDP all-reduces whole gradients (so local norm == global norm and a plain
+    GradScaler sees the same overflow on every rank); OSS steps this rank's
+    shard and broadcasts the updated parameters.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(oss_sharding())
 
 
 # --------------------------------------------------------------------------- #
@@ -164,12 +172,18 @@ _SDP_PRECISION = {
 }
 
 
-class FairscaleSDPStrategy(FairscaleOSSStrategy):
-    """fairscale OSS + ShardedDataParallel: gradients reduced to their owner rank only."""
+class FairscaleSDPStrategy(ReplicatedStrategy):
+    """fairscale OSS + ShardedDataParallel: gradients reduced to their owner rank only.
+
+    Holds the OSS component for its optimizer (building, checkpoints, memory
+    count); clipping, gradient zeroing and the grad scaler are its own, since
+    only the owner rank holds a reduced gradient.
+    """
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
         self.options = SDPOptions(**options)
+        self.sharding = oss_sharding()
 
     @property
     def ownership(self) -> Ownership:
@@ -192,23 +206,43 @@ class FairscaleSDPStrategy(FairscaleOSSStrategy):
         )
 
     def setup(
-        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+        self,
+        module: torch.nn.Module,
+        make_optimizer: OptimizerFactory,
+        *,
+        env: DistEnv | None = None,
+        precision: Precision,
+        settings: TrainerSettings,
     ) -> None:
-        env = self.env
-        assert env is not None
+        """The template's setup, then the wrapper: ShardedDataParallel reads the partition from OSS, so it
+        wraps after the optimizer exists (the template's order, wrap then optimizer, cannot hold here)."""
+        super().setup(module, make_optimizer, env=env, precision=precision, settings=settings)
         from fairscale.nn.data_parallel import ShardedDataParallel
 
-        module = module.to(env.device)
-        self.module = module
-        self.recipe = OptimizerRecipe.from_factory(make_optimizer, module.parameters(), strategy=self.name)
-        self.optimizer = self._sharded_optimizer(self.recipe)
-        # ShardedDataParallel reads the partition from OSS, so OSS comes first.
         self.model = ShardedDataParallel(
-            module,
+            self.module,
             self.optimizer,
             reduce_buffer_size=self.options.reduce_buffer_size,
             broadcast_buffers=self.options.broadcast_buffers,
         )
+
+    def build_optimizer(self, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        assert self.module is not None
+        return self.sharding.build(make_optimizer, self.module, strategy=self.name)
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        return self.model.no_sync()
+
+    def save_state(self, directory: Path) -> None:
+        assert self.module is not None
+        self.sharding.save(self.module, directory)
+
+    def load_state(self, directory: Path) -> None:
+        assert self.module is not None
+        self.sharding.load(self.module, directory)
+
+    def memory_footprint(self) -> dict[str, int]:
+        return {**super().memory_footprint(), "optimizer_state": self.sharding.state_bytes()}
 
     def _owned_params_with_grad(self) -> list[torch.nn.Parameter]:
         assert self.optimizer is not None
@@ -248,6 +282,7 @@ class FairscaleSDPStrategy(FairscaleOSSStrategy):
             # a later wrapper of the same module must not inherit them.
             remove_grad_hooks(self.model)
         super().teardown()
+        self.sharding.reset()
 
 
 # --------------------------------------------------------------------------- #
@@ -302,16 +337,14 @@ class FairscaleFSDPStrategy(Strategy):
                 "accelerator", "fairscale FullyShardedDataParallel is CUDA-only", "use accelerator='cuda' or 'auto'"
             )
 
-    def setup(
-        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
-    ) -> None:
-        env = self.env
-        assert env is not None
+    def wrap_module(self, module: torch.nn.Module) -> Any:
         from fairscale.nn import FullyShardedDataParallel
 
-        self.module = module
-        self.model = FullyShardedDataParallel(module.to(env.device), flatten_parameters=True, mixed_precision=False)
-        self.optimizer = make_optimizer(self.model.parameters())
+        return FullyShardedDataParallel(module, flatten_parameters=True, mixed_precision=False)
+
+    def build_optimizer(self, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        # Over the wrapper's flat parameter, not the module's originals.
+        return make_optimizer(self.model.parameters())
 
     def no_sync(self) -> AbstractContextManager[Any]:
         return self.model.no_sync()

@@ -9,11 +9,10 @@ from typing import Any
 import torch
 
 from unison.contract.ownership import AccumulationOwner, GradAccumulation, Ownership
-from unison.contract.strategy import OptimizerFactory
+from unison.contract.replicated import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
 from unison.errors import ConfigurationError
 from unison.plugin import hookimpl
 from unison.plugin.registry import StrategySpec
-from unison.strategies._torch import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
 
 
 class SingleStrategy(ReplicatedStrategy):
@@ -39,14 +38,6 @@ class SingleStrategy(ReplicatedStrategy):
                 f"'single' trains in one process but this launch has WORLD_SIZE={world_size}",
                 "use strategy='ddp' (or another distributed strategy), or launch one process",
             )
-
-    def setup(
-        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
-    ) -> None:
-        env = self.env
-        assert env is not None
-        self.module = self.model = module.to(env.device)
-        self.optimizer = make_optimizer(module.parameters())
 
     def no_sync(self) -> AbstractContextManager[Any]:
         # One process: no gradient synchronisation exists to skip.

@@ -61,19 +61,17 @@ class TrainsFp32(_EngineBf16):
 class Bf16NoMasters(_EngineBf16):
     """Casts the module to bf16 and lets the optimizer step the bf16 weights (no fp32 masters)."""
 
-    def setup(self, module: torch.nn.Module, make_optimizer: Any, *, precision: Any, settings: Any) -> None:
-        assert self.env is not None
-        bf16 = precision.name == "bf16-mixed"
-        self.module = module.to(self.env.device)
-        if bf16:
-            self.module.to(torch.bfloat16)
-        self.optimizer = make_optimizer(self.module.parameters())
-        inner = self.module
+    def configure_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        module = super().configure_module(module)
+        return module.to(torch.bfloat16) if self.precision.name == "bf16-mixed" else module
+
+    def wrap_module(self, module: torch.nn.Module) -> Any:
+        bf16 = self.precision.name == "bf16-mixed"
 
         def forward(inputs: torch.Tensor) -> torch.Tensor:
-            return inner(inputs.to(torch.bfloat16) if bf16 else inputs)
+            return module(inputs.to(torch.bfloat16) if bf16 else inputs)
 
-        self.model = forward
+        return forward
 
 
 BROKEN = {

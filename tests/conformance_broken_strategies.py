@@ -32,7 +32,7 @@ from unison import (
     StateDictKind,
     StrategySpec,
 )
-from unison.contract.state import canonical, dcp_load, dcp_save
+from unison.contract import ReplicatedStrategy
 from unison.contract.strategy import model_features
 
 _PRECISION = {
@@ -43,8 +43,9 @@ _PRECISION = {
 }
 
 
-class _DataParallel(unison.Strategy):
-    """Correct hand-written data parallel; the subclasses below each break one thing."""
+class _DataParallel(ReplicatedStrategy):
+    """Correct hand-written data parallel on the public base (its setup, clipping, state and checkpoints);
+    the subclasses below each break one thing."""
 
     replica_init = ReplicaInit.TRAINER
     refuses: ClassVar[dict[Feature, str]] = {}
@@ -62,11 +63,6 @@ class _DataParallel(unison.Strategy):
             replica_init=self.replica_init,
             refuses=self.refuses,
         )
-
-    def setup(self, module: torch.nn.Module, make_optimizer: Any, *, precision: Any, settings: Any) -> None:
-        assert self.env is not None
-        self.module = self.model = module.to(self.env.device)
-        self.optimizer = make_optimizer(self.module.parameters())
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -89,26 +85,6 @@ class _DataParallel(unison.Strategy):
         flat.div_(dist.get_world_size())
         for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(reduced)
-
-    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        assert self.module is not None
-        params = [p for p in self.module.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
-        if max_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        return norm
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        assert self.module is not None
-        return canonical(self.module.state_dict())
-
-    def save_state(self, directory: Path) -> None:
-        assert self.module is not None and self.optimizer is not None
-        dcp_save(self.module, self.optimizer, directory)
-
-    def load_state(self, directory: Path) -> None:
-        assert self.module is not None and self.optimizer is not None
-        dcp_load(self.module, self.optimizer, directory)
 
 
 class RefusesQuietly(_DataParallel):
@@ -144,15 +120,12 @@ class SkipsBroadcast(_DataParallel):
 class StaleBuffers(_DataParallel):
     """Runs the forward on copies of the buffers: every buffer update is lost."""
 
-    def setup(self, module: torch.nn.Module, make_optimizer: Any, *, precision: Any, settings: Any) -> None:
-        super().setup(module, make_optimizer, precision=precision, settings=settings)
-        inner = self.module
-
+    def wrap_module(self, module: torch.nn.Module) -> Any:
         def forward(inputs: Any) -> Any:
-            state = {**dict(inner.named_parameters()), **{n: b.clone() for n, b in inner.named_buffers()}}
-            return torch.func.functional_call(inner, state, (inputs,))
+            state = {**dict(module.named_parameters()), **{n: b.clone() for n, b in module.named_buffers()}}
+            return torch.func.functional_call(module, state, (inputs,))
 
-        self.model = forward
+        return forward
 
 
 class EveryStepClaimsBoundary(_DataParallel):

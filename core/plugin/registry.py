@@ -10,6 +10,14 @@ a plugin is registered or unregistered.
 
 An unknown name is an error listing every registered name and suggesting the
 closest one (``"dpp"`` -> ``did you mean 'ddp'?``).
+
+Collecting the specs checks each strategy class against the plugin API
+(:func:`unison.contract.version.check_strategy_class`): a class written for an
+older, incompatible API is refused here with the migration to make, and a
+contract method whose signature does not match is named with both signatures,
+instead of either failing every run later. A factory that is not a class (a
+function) is checked on the class it builds, in :meth:`StrategyRegistry.create`,
+still before any process group.
 """
 
 from __future__ import annotations
@@ -92,7 +100,10 @@ class StrategyRegistry:
     """All strategy names known to one plugin manager."""
 
     def __init__(self, specs_by_plugin: list[tuple[str, list[StrategySpec]]]) -> None:
+        from unison.contract.version import check_strategy_class, strategy_class
+
         self._specs: dict[str, StrategySpec] = {}
+        self._plugin: dict[str, str] = {}
         self._aliases: dict[str, tuple[str, Mapping[str, Any]]] = {}
         owner: dict[str, str] = {}
         for plugin_name, specs in specs_by_plugin:
@@ -104,7 +115,11 @@ class StrategyRegistry:
                             f"and plugin {plugin_name!r}; block one with UNISON_BLOCK_PLUGINS"
                         )
                     owner[name] = plugin_name
+                cls = strategy_class(spec.factory)
+                if cls is not None:
+                    check_strategy_class(cls, plugin=plugin_name)
                 self._specs[spec.name] = spec
+                self._plugin[spec.name] = plugin_name
                 for alias, preset in spec.aliases.items():
                     self._aliases[alias] = (spec.name, preset)
 
@@ -157,6 +172,10 @@ class StrategyRegistry:
                 "install what is missing or pick another strategy",
             )
         strategy = spec.factory(**validated.model_dump())
+        from unison.contract.version import check_strategy_class, strategy_class
+
+        if strategy_class(spec.factory) is None:
+            check_strategy_class(type(strategy), plugin=self._plugin[spec.name])
         strategy.name = name
         return strategy
 

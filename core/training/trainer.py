@@ -392,9 +392,10 @@ class Trainer:
             broadcast_module_state(model)
         self.precision = precision = build_precision(self.ownership, s, self.pm, strategy, env.device)
         module = precision.convert_module(model)
-        strategy.env = env
         self._say(f"the model under strategy {s.strategy!r} ({type(model).__name__}, device {env.device})")
-        strategy.setup(module, lambda params: checked_optimizer(optimizer, params), precision=precision, settings=s)
+        strategy.setup(
+            module, lambda params: checked_optimizer(optimizer, params), env=env, precision=precision, settings=s
+        )
         self.lr_scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler else None
         self.data.to_device = strategy.to_device
         self.progress = Progress()

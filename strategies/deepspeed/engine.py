@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from unison.contract.env import resolve_accelerator
+from unison.contract.env import DistEnv, resolve_accelerator
 from unison.contract.ownership import (
     AccumulationOwner,
     GradAccumulation,
@@ -187,9 +187,16 @@ class DeepSpeedStrategy(Strategy):
 
     # -- setup ------------------------------------------------------------- #
     def setup(
-        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: TrainerSettings
+        self,
+        module: torch.nn.Module,
+        make_optimizer: OptimizerFactory,
+        *,
+        env: DistEnv | None = None,
+        precision: Any,
+        settings: Any,
     ) -> None:
-        env = self.env
+        # The engine wraps and builds the optimizer in one call: its own setup, not the template's hooks.
+        self.env = env = env or self.env
         assert env is not None
         deepspeed = ds.import_deepspeed(env.device)
         # DeepSpeed reads LOCAL_RANK from the environment even when the process

@@ -31,6 +31,7 @@ import pydantic
 import torch
 import torch.distributed as dist
 
+from unison.contract.env import DistEnv
 from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
@@ -120,9 +121,16 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
         check_model(model, self.layout.chunks, None)
 
     def setup(
-        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+        self,
+        module: torch.nn.Module,
+        make_optimizer: OptimizerFactory,
+        *,
+        env: DistEnv | None = None,
+        precision: Any,
+        settings: Any,
     ) -> None:
-        env = self.env
+        # The engine wraps and builds the optimizer in one call: its own setup, not the template's hooks.
+        self.env = env = env or self.env
         assert env is not None
         deepspeed = import_deepspeed(env.device)
         from deepspeed.pipe import PipelineModule

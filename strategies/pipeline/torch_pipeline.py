@@ -244,9 +244,16 @@ class PipelineStrategy(StagedStrategy):
         return mesh.get_group("pp"), mesh.get_group("dp")
 
     def setup(
-        self, module: torch.nn.Module, make_optimizer: OptimizerFactory, *, precision: Any, settings: Any
+        self,
+        module: torch.nn.Module,
+        make_optimizer: OptimizerFactory,
+        *,
+        env: DistEnv | None = None,
+        precision: Any,
+        settings: Any,
     ) -> None:
-        env = self.env
+        # Splitting into stages builds the modules this rank trains: its own setup, not the template's hooks.
+        self.env = env = env or self.env
         assert env is not None
         from torch.distributed import pipelining
 

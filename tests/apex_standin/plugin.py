@@ -3,8 +3,8 @@
 The built-in ``apex_distributed_fused_adam`` is unavailable on a machine
 without apex and CUDA. This registers the *same* strategy class under
 :data:`STANDIN`, available, with small buckets by default (tiny test models
-would otherwise sit in one 100 MB bucket per rank). Its ``setup`` installs the
-stand-in under apex's module names first, so the strategy's own
+would otherwise sit in one 100 MB bucket per rank). Its ``build_optimizer`` hook
+installs the stand-in under apex's module names first, so the strategy's own
 ``from apex.contrib.optimizers.distributed_fused_adam import DistributedFusedAdam``
 finds it in spawned ranks; nothing is installed until a run sets up.
 """
@@ -29,11 +29,11 @@ class StandinOptions(DistributedFusedAdamOptions):
 
 
 class StandinStrategy(DistributedFusedAdamStrategy):
-    """The built-in strategy, unchanged but for installing the stand-in before its setup."""
+    """The built-in strategy, unchanged but for installing the stand-in before it builds its optimizer."""
 
-    def setup(self, module: Any, make_optimizer: Any, *, precision: Any, settings: Any) -> None:
+    def build_optimizer(self, make_optimizer: Any) -> Any:
         apex_standin.install()
-        super().setup(module, make_optimizer, precision=precision, settings=settings)
+        return super().build_optimizer(make_optimizer)
 
 
 @hookimpl

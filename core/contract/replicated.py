@@ -1,4 +1,16 @@
-"""Pieces shared by the strategies that keep whole parameters on every rank."""
+"""The public base of data-parallel strategies that keep whole parameters on every rank.
+
+:class:`ReplicatedStrategy` is what ``ddp``, ``single``, ``torch_zero`` and the
+fairscale OSS strategies build on, and what a third-party strategy imports
+(``from unison.contract import ReplicatedStrategy``): subclass it, declare
+:attr:`~unison.contract.strategy.Strategy.ownership`, and implement only what
+differs (a wrapper in ``wrap_module``, a gradient all-reduce in ``backward`` or
+``no_sync``). It gives ``setup`` (the base's template: module to the device,
+optimizer over it), global-norm clipping, the canonical state and DCP
+checkpoints in the layout every torch strategy shares, so checkpoints cross
+backends. :data:`TRAINER_PRECISION` and :data:`DCP_FULL_STATE` are the
+declarations such a strategy usually makes.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +28,7 @@ from unison.contract.ownership import (
 from unison.contract.state import canonical, dcp_load, dcp_save
 from unison.contract.strategy import Strategy
 
+#: Every standard precision, applied by the trainer (autocast, GradScaler, module casts).
 TRAINER_PRECISION = {
     "32-true": PrecisionSupport(PrecisionOwner.TRAINER, "fp32 parameters and compute"),
     "bf16-mixed": PrecisionSupport(PrecisionOwner.TRAINER, "torch.autocast(bfloat16) by the trainer"),
@@ -24,6 +37,7 @@ TRAINER_PRECISION = {
 }
 assert set(TRAINER_PRECISION) == set(STANDARD_PRECISIONS)
 
+#: Whole replicas checkpointed with torch.distributed.checkpoint, reshardable to any world size.
 DCP_FULL_STATE = StateDictDeclaration(
     kind=StateDictKind.FULL,
     format="torch.distributed.checkpoint (DCP), keys = module parameter names, optimizer state keyed by name",
@@ -33,7 +47,11 @@ DCP_FULL_STATE = StateDictDeclaration(
 
 
 class ReplicatedStrategy(Strategy):
-    """Every rank holds whole parameters and, at the boundary, whole, equal gradients."""
+    """Every rank holds whole parameters and, at the boundary, whole, equal gradients.
+
+    The subclass makes the gradients equal (a DDP wrapper, a hand-written
+    all-reduce); clipping relies on it: the local norm is then the global one.
+    """
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         assert self.module is not None
