@@ -145,11 +145,13 @@ class Suite:
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt):
                 raise
+            # unison's own errors (a plugin refused at registration, a bad option) say what to do;
+            # a traceback is kept for anything else.
+            trace = "" if isinstance(exc, UnisonError) else "\n" + traceback.format_exc(limit=8)
             return StrategyResult(
                 name=name,
                 status="error",
-                reason=f"the suite could not run {name!r}: {type(exc).__name__}: {exc}\n"
-                + traceback.format_exc(limit=8),
+                reason=f"the suite could not run {name!r}: {type(exc).__name__}: {exc}{trace}",
                 world_size=self.world_size,
                 alt_world_size=self.alt_world_size,
             )

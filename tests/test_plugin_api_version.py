@@ -22,7 +22,7 @@ from unison.contract.version import check_strategy_class, target_version
 V1_PLUGIN = """
 import torch
 import unison
-from unison.contract.strategy import StrategySpec, canonical, dcp_load, dcp_save
+from unison.strategy import StrategySpec, canonical, dcp_load, dcp_save
 
 
 class MyStrategy(unison.Strategy):
