@@ -409,7 +409,7 @@ class TrainData:
         *,
         data_parallel_size: int,
         data_parallel_rank: int,
-        to_device: Callable[[Any], Any] | None = None,
+        to_device: Callable[..., Any] | None = None,
         token_counter: Callable[[Any], int | None] | None = None,
     ) -> None:
         self.settings = settings
@@ -430,7 +430,8 @@ class TrainData:
             if self.map_style
             else None
         )
-        self.to_device = to_device or (lambda batch: batch)
+        # The identity takes the keyword arguments a strategy's to_device does (non_blocking).
+        self.to_device: Callable[..., Any] = to_device or (lambda batch, **_: batch)
         self.token_counter = token_counter or count_tokens
         self._iterator: Any = None
 
@@ -519,7 +520,8 @@ class TrainData:
                 else:
                     last = pending is None or pending[1] != epoch
                 counts = [self.token_counter(b) for b in batches]
-                tokens = None if any(c is None for c in counts) else sum(counts)  # type: ignore[misc]
+                known = [c for c in counts if c is not None]
+                tokens = sum(known) if len(known) == len(counts) else None
                 pin = self.options.pin_memory
                 yield StepBatch(
                     step,

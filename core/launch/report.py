@@ -37,12 +37,12 @@ def watch_torchrun() -> Iterator[set[int]]:
 
     log = logging.getLogger(api.__name__)
     level = log.level
-    api.PContext.close = close  # type: ignore[method-assign]
+    api.PContext.close = close
     log.setLevel(logging.CRITICAL)
     try:
         yield failed_before_close
     finally:
-        api.PContext.close = original  # type: ignore[method-assign]
+        api.PContext.close = original
         log.setLevel(level)
 
 

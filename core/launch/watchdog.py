@@ -235,7 +235,7 @@ class Watchdog:
 
     def stop(self) -> None:
         """Stop the threads and mark this rank done (it is never blamed after this)."""
-        if self._thread is None:
+        if self._thread is None or self._io is None:
             return
         self._stop.set()
         for thread in (self._thread, self._io):
@@ -336,9 +336,9 @@ class Watchdog:
         where += [f"rank {r} at {detector.where(r)}" for r in live]
         return f"stalled {', '.join(names)}; live: {'; '.join(where)}"
 
-    def _stopped_here(self, detector: StallDetector, stalled: list[int]) -> list[tuple[int, str]]:
+    def _stopped_here(self, detector: StallDetector, stalled: list[int]) -> list[tuple[int, str | None]]:
         """(pid, start time) of the stalled ranks that run on this host, as their heartbeats said."""
-        found = []
+        found: list[tuple[int, str | None]] = []
         for r in stalled:
             rec = detector.seen[r].record if r in detector.seen else {}
             if rec.get("host") == self._identity["host"] and isinstance(rec.get("pid"), int):

@@ -350,7 +350,7 @@ class PluginManager:
     def unison_on_after_backward(self, *, trainer: Trainer, step: int) -> None:
         self._call("unison_on_after_backward")(trainer=trainer, step=step)
 
-    def unison_on_before_optimizer_step(self, *, trainer: Trainer, step: int, grad_norm: float | torch.Tensor) -> None:
+    def unison_on_before_optimizer_step(self, *, trainer: Trainer, step: int, grad_norm: torch.Tensor) -> None:
         self._call("unison_on_before_optimizer_step")(trainer=trainer, step=step, grad_norm=grad_norm)
 
     def unison_on_after_optimizer_step(self, *, trainer: Trainer, step: int, skipped: bool) -> None:
