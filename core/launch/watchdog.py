@@ -387,13 +387,16 @@ def dump_nccl_trace(rank: int) -> str | None:
     """Write torch's NCCL flight recorder (CUDA builds) to ``TORCH_FR_DUMP_TEMP_FILE`` + rank; its path or ``None``."""
     import torch
 
-    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    from unison._upstream import nccl_flight_recorder_dump
+
     base = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
-    if dump is None or not base or not torch.cuda.is_available():
+    if not base or not torch.cuda.is_available():
         return None
     path = f"{base}{rank}"
     try:
-        data = dump(True, True, False)  # collectives, stack traces, not only the active ones
+        data = nccl_flight_recorder_dump()
+        if data is None:  # a build without NCCL
+            return None
         with open(path, "wb") as f:
             f.write(data)
     except Exception as exc:  # a failed dump must not hide the stall report
