@@ -36,6 +36,11 @@ def test_hookspec_is_documented(name):
         assert name in hookspecs.__doc__, f"{name}: place it in the documented hook order"
 
 
+@pytest.mark.parametrize("name", sorted(hookspec_worlds.specs()))
+def test_hookspec_is_in_the_hooks_page(name):
+    assert f"`{name}`" in (ROOT / "docs" / "hooks.md").read_text(), f"{name}: add it to docs/hooks.md's table"
+
+
 def _fire_every_hook(tmp_path: Path) -> None:
     """Runs that between them reach every hook, through public entry points only."""
     config = tmp_path / "tiny.toml"
@@ -68,6 +73,10 @@ def _fire_every_hook(tmp_path: Path) -> None:
 
     def broken_loss(outputs, targets):
         raise RuntimeError("boom")
+
+    # a URL location: the storage backends are asked for its scheme (one nobody registered)
+    with pytest.raises(unison.ConfigurationError, match="'gs'"):
+        unison.Trainer(strategy="single", max_steps=2, progress="off", checkpoint_dir="gs://bucket/run")
 
     with pytest.raises(RuntimeError, match="boom"):
         unison.Trainer(strategy="single", global_batch_size=16, max_steps=2, progress="off").fit(

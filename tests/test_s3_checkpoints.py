@@ -186,7 +186,7 @@ def test_a_missing_bucket_is_named(s3):
 
 def test_an_unknown_scheme_is_refused_when_the_trainer_is_built(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(unison.ConfigurationError, match=r"checkpoint_dir.*'gs'.*s3://bucket/prefix"):
+    with pytest.raises(unison.ConfigurationError, match=r"checkpoint_dir.*'gs'.*registered: file://, s3://"):
         unison.Trainer(strategy="single", max_steps=2, checkpoint_dir="gs://bucket/run")
     assert list(tmp_path.iterdir()) == []  # no local directory named "gs:"
 

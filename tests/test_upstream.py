@@ -1,9 +1,16 @@
-"""Non-public upstream APIs stay behind strategies/_upstream, pinned, and work on the installed versions."""
+"""Non-public upstream APIs stay behind the adapters, pinned, and work on the installed versions.
+
+The adapters: ``strategies/_upstream/`` (one module per upstream) for the strategies, and
+``core/_upstream.py`` for the core and the plugins (which must not import strategies).
+"""
 
 from __future__ import annotations
 
 import ast
+import datetime
 import importlib.metadata
+import inspect
+import multiprocessing
 import os
 import warnings
 from pathlib import Path
@@ -12,6 +19,7 @@ import pytest
 import torch
 
 import unison
+from unison import _upstream as core_adapter
 from unison.launch.torchrun import spawn
 from unison.strategies import _upstream
 from unison.strategies._upstream import deepspeed as ds_adapter
@@ -20,7 +28,25 @@ from unison.strategies._upstream import torch as torch_adapter
 
 from helpers import regression_data
 
-STRATEGIES = Path(__file__).resolve().parents[1] / "strategies"
+ROOT = Path(__file__).resolve().parents[1]
+STRATEGIES = ROOT / "strategies"
+CORE_ADAPTER = ROOT / "core" / "_upstream.py"
+
+#: Names that start with an underscore yet are documented public API: ``os._exit`` (exit without
+#: cleanup, the documented way out of a forked or stalled process) and namedtuple's ``_fields``.
+DOCUMENTED_PUBLIC = {"os._exit", "_fields"}
+
+#: Private upstream uses in modules being rewritten, each with its way out. A stale entry fails
+#: ``test_pending_exceptions_are_still_needed``, so each is removed once its module is switched.
+PENDING = {
+    # The parameter broadcast: switch to unison._upstream.flatten_dense_tensors / unflatten_dense_tensors.
+    ("core/training/trainer.py", "from torch._utils import ..."): "the trainer moves to core/_upstream.py",
+    # pytest's terminal writer width; conformance_tests is being rewritten.
+    ("conformance_tests/pytest_plugin.py", "terminalreporter._tw"): "pending: conformance_tests rewrite",
+    # unison's own objects, reached from outside their class; conformance_tests is being rewritten.
+    ("conformance_tests/runner.py", "recorder._close_mark"): "pending: conformance_tests rewrite",
+    ("conformance_tests/validation.py", "c._close"): "pending: conformance_tests rewrite",
+}
 
 
 def own_private_names(paths: list[Path]) -> set[str]:
@@ -48,6 +74,8 @@ def private_uses(path: Path, own: set[str]) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if ast.unparse(node) in DOCUMENTED_PUBLIC:
+                continue
             if not on_self or node.attr not in own:
                 found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
         elif (
@@ -57,9 +85,16 @@ def private_uses(path: Path, own: set[str]) -> list[str]:
             and len(node.args) > 1
             and isinstance(node.args[1], ast.Constant)
             and str(node.args[1].value).startswith("_")
+            and not str(node.args[1].value).startswith("__")
+            and node.args[1].value not in DOCUMENTED_PUBLIC
         ):
             found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("unison"):
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0  # a relative import is unison's own module
+            and node.module
+            and not node.module.startswith("unison")
+        ):
             names = [node.module, *(a.name for a in node.names)]
             if any(part.startswith("_") and not part.startswith("__") for n in names for part in n.split(".")):
                 found.append(f"{path.name}:{node.lineno}: from {node.module} import ...")
@@ -67,14 +102,49 @@ def private_uses(path: Path, own: set[str]) -> list[str]:
 
 
 STRATEGY_FILES = [p for p in STRATEGIES.rglob("*.py") if "_upstream" not in p.parts]
-ADAPTER_FILES = sorted((STRATEGIES / "_upstream").glob("*.py"))
-OWN = own_private_names(STRATEGY_FILES)
+#: core/, plugins/ and conformance_tests/ (core/_upstream.py is their adapter).
+OTHER_FILES = [
+    p for top in ("core", "plugins", "conformance_tests") for p in (ROOT / top).rglob("*.py") if p != CORE_ADAPTER
+]
+ADAPTER_FILES = [*sorted((STRATEGIES / "_upstream").glob("*.py")), CORE_ADAPTER]
+OWN = own_private_names(STRATEGY_FILES + OTHER_FILES)
+
+
+def _uses(paths: list[Path]) -> list[tuple[str, str, str]]:
+    """``(repository path, what, "file:line: what")`` for every private use in ``paths``."""
+    out = []
+    for path in paths:
+        for use in private_uses(path, OWN):
+            out.append((path.relative_to(ROOT).as_posix(), use.split(": ", 1)[1], use))
+    return out
 
 
 def test_no_strategy_reaches_a_private_upstream_name_outside_the_adapters():
     assert len(STRATEGY_FILES) >= 10
     uses = [use for path in STRATEGY_FILES for use in private_uses(path, OWN)]
     assert not uses, "move these behind strategies/_upstream (one adapter per upstream):\n" + "\n".join(uses)
+
+
+def test_core_and_plugins_reach_private_upstream_names_only_through_core_upstream():
+    assert len(OTHER_FILES) >= 60
+    uses = [use for rel, what, use in _uses(OTHER_FILES) if (rel, what) not in PENDING]
+    assert not uses, "move these behind core/_upstream.py (one function per private name):\n" + "\n".join(uses)
+
+
+def test_pending_exceptions_are_still_needed():
+    found = {(rel, what) for rel, what, _ in _uses(OTHER_FILES)}
+    stale = sorted(set(PENDING) - found)
+    assert not stale, f"remove these from PENDING, their modules no longer reach the private name: {stale}"
+
+
+def test_the_scan_ignores_relative_imports_and_documented_public_names(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text(
+        "import os\nfrom ._base import thing\nfrom torch._utils import x\n"
+        "os._exit(1)\ngetattr(f, '__name__')\ngetattr(g, '_private')\n"
+    )
+    found = sorted(use.split(": ", 1)[1] for use in private_uses(module, set()))
+    assert found == ["from torch._utils import ...", "getattr(g, '_private')"]
 
 
 def test_the_scan_finds_private_uses():
@@ -90,6 +160,11 @@ def test_the_scan_finds_private_uses():
         "_scale",
         "_flatten_dense_tensors",
         "_grad_hooks",
+        "_set_pg_timeout",
+        "_dump_nccl_trace",
+        "_failures",
+        "_worker_info",
+        "_shutdown_workers",
     ):
         assert name in joined, name
 
@@ -104,7 +179,7 @@ def test_every_private_use_has_its_reason_beside_it():
 
 @pytest.mark.parametrize(
     ("adapter", "distribution"),
-    [(torch_adapter, "torch"), (ds_adapter, "deepspeed"), (fairscale_adapter, "fairscale")],
+    [(torch_adapter, "torch"), (ds_adapter, "deepspeed"), (fairscale_adapter, "fairscale"), (core_adapter, "torch")],
 )
 def test_adapters_are_pinned_to_the_installed_version(adapter, distribution):
     installed = importlib.metadata.version(distribution).split("+")[0]
@@ -114,12 +189,81 @@ def test_adapters_are_pinned_to_the_installed_version(adapter, distribution):
     )
 
 
-def test_an_unverified_version_warns_once():
+@pytest.mark.parametrize("warn_if_unverified", [_upstream.warn_if_unverified, core_adapter.warn_if_unverified])
+def test_an_unverified_version_warns_once(warn_if_unverified):
     with pytest.warns(RuntimeWarning, match="verified against torch 0.0.1"):
-        _upstream.warn_if_unverified("torch", "0.0.1", "test adapter")
+        warn_if_unverified("torch", "0.0.1", "test adapter")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _upstream.warn_if_unverified("torch", "0.0.1", "test adapter")  # once per adapter
+        warn_if_unverified("torch", "0.0.1", "test adapter")  # once per adapter
+
+
+# --------------------------------------------------------------------------- #
+# core/_upstream.py (the core's and the plugins' torch internals)
+# --------------------------------------------------------------------------- #
+def test_core_flatten_and_unflatten_round_trip():
+    tensors = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2, 2)]
+    flat = core_adapter.flatten_dense_tensors(tensors)
+    assert flat.shape == (12 + 5 + 8,)
+    assert torch.equal(flat, torch.cat([t.reshape(-1) for t in tensors]))
+    back = core_adapter.unflatten_dense_tensors(flat, tensors)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+
+
+class WorkerSeen(torch.utils.data.IterableDataset):
+    """Yields, in a loader worker, whether the worker is visible with and without the adapter's block."""
+
+    def __iter__(self):
+        seen = torch.utils.data.get_worker_info() is not None
+        with core_adapter.hidden_loader_worker():
+            hidden = torch.utils.data.get_worker_info() is None
+        yield torch.tensor([seen, hidden, torch.utils.data.get_worker_info() is not None])
+
+
+def test_hidden_loader_worker_hides_the_worker_then_restores_it():
+    (batch,) = list(torch.utils.data.DataLoader(WorkerSeen(), batch_size=None, num_workers=1))
+    assert batch.tolist() == [True, True, True]
+
+
+def test_shutdown_loader_workers_stops_the_workers():
+    loader = torch.utils.data.DataLoader(list(range(64)), batch_size=4, num_workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    before = multiprocessing.active_children()
+    assert len(before) >= 2
+    core_adapter.shutdown_loader_workers(iterator)
+    assert not any(p.is_alive() for p in before)
+    core_adapter.shutdown_loader_workers(iter(torch.utils.data.DataLoader([1, 2])))  # no workers: nothing to do
+
+
+def test_torchrun_records_failures_where_the_adapter_reads_them():
+    from torch.distributed.elastic.multiprocessing import api
+
+    # The subprocess context (what torchrun uses) keeps its failures in the attribute the adapter reads.
+    assert "self._failures" in inspect.getsource(api.SubprocessContext)
+    holder = type("Context", (), {"_failures": {0: "failure"}})()
+    assert core_adapter.torchrun_worker_failures(holder) == {0: "failure"}
+    assert core_adapter.torchrun_worker_failures(object()) == {}  # a context that keeps none
+
+
+def test_nccl_flight_recorder_is_absent_on_a_cpu_build():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA build has the recorder")
+    assert core_adapter.nccl_flight_recorder_dump() is None
+
+
+def test_a_missing_private_name_warns_and_falls_back(monkeypatch):
+    tensors = [torch.randn(2, 3), torch.randn(4)]
+    monkeypatch.delattr(torch._utils, "_flatten_dense_tensors")
+    monkeypatch.delattr(torch._utils, "_unflatten_dense_tensors")
+    with pytest.warns(RuntimeWarning, match="_flatten_dense_tensors"):
+        flat = core_adapter.flatten_dense_tensors(tensors)
+    with pytest.warns(RuntimeWarning, match="_unflatten_dense_tensors"):
+        back = core_adapter.unflatten_dense_tensors(flat, tensors)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
+    monkeypatch.delattr(torch.distributed.distributed_c10d, "_set_pg_timeout")
+    with pytest.warns(RuntimeWarning, match="collectives keep the rendezvous timeout"):
+        core_adapter.set_default_group_timeout(datetime.timedelta(seconds=5))
 
 
 # --------------------------------------------------------------------------- #

@@ -1,5 +1,9 @@
 """Checkpoints in object storage (S3 through s3fs), behind the checkpointer's storage seam.
 
+The ``s3`` URL scheme reaches this module through the storage plugin
+:mod:`unison.plugins.storage.s3` (hook ``unison_storage_backends``), which checks that
+s3fs is installed and builds an :class:`FsspecStorage`.
+
 :class:`FsspecStorage` implements every method of
 :class:`unison.checkpointing.storage.LocalStorage` on an fsspec file system, so the
 checkpointer's rules (atomic commit, manifest last, ``latest`` after,
@@ -55,7 +59,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from unison.checkpointing.storage import _CHUNK, _URL, REMOTE_SCHEMES, LocalStorage, StorageUnavailableError, split_url
+from unison.checkpointing.storage import _CHUNK, _URL, LocalStorage, StorageUnavailableError, split_url
 from unison.errors import ConfigurationError
 
 #: The manifest's file name (kept here too: unison.checkpointing.manifest imports this package's seam).
@@ -166,15 +170,6 @@ class FsspecStorage(LocalStorage):
     def __init__(self, scheme: str, storage_options: dict[str, Any], option: str = "checkpoint_dir") -> None:
         #: The setting errors name (``checkpoint_dir``, ``logging.dir``).
         self.option = option
-        package = REMOTE_SCHEMES[scheme]
-        try:
-            __import__(package)
-        except ImportError:
-            raise ConfigurationError(
-                option,
-                f"{scheme}:// locations need the {package} package, which is not installed",
-                f"pip install 'unison[{scheme}]' (or pip install {package})",
-            ) from None
         import fsspec
 
         self.scheme = scheme

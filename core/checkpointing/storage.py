@@ -1,9 +1,9 @@
 """The file operations of the checkpointer, behind one small seam.
 
 :class:`LocalStorage` is every read, write, listing, rename and delete the
-checkpointer does, on a POSIX file system. An object-storage backend
-(:class:`unison.checkpointing.remote_storage.FsspecStorage`, S3 through s3fs) replaces this
-class and keeps the checkpointer's rules: the rules only ever call these
+checkpointer does, on a POSIX file system. A backend for a URL scheme
+(the built-in ``s3://`` one, :class:`unison.checkpointing.remote_storage.FsspecStorage` through
+s3fs, or a third party's) subclasses it and keeps the checkpointer's rules: the rules only ever call these
 methods, so they never learn where the bytes live.
 
 Strategies write their own state files into a *local* directory and read them
@@ -14,9 +14,11 @@ write into (a remote backend uploads what the rank wrote when it is done), and
 checkpoint (a remote backend downloads it). On a local file system both are
 the path itself.
 
-:func:`open_storage` turns a location (a path, ``file://`` or ``s3://`` URL)
-into its root path and storage; any other scheme, or ``s3://`` without s3fs,
-is a :class:`~unison.errors.ConfigurationError` before anything is written.
+:func:`open_storage` turns a location (a path, a ``file://`` URL, or a URL of
+a scheme a plugin registered through the ``unison_storage_backends`` hook,
+``s3://`` among them) into its root path and storage; an unregistered scheme
+is a :class:`~unison.errors.ConfigurationError` naming the registered ones,
+before anything is written.
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ import hashlib
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from unison.errors import ConfigurationError, UnisonError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from unison.plugin.manager import PluginManager
 
 
 class StorageUnavailableError(UnisonError):
@@ -219,8 +224,10 @@ class LocalStorage:
 #: ``scheme://rest``; also the ``scheme:/rest`` that ``Path("s3://b/k")`` collapses
 #: it to. Two letters at least, so a Windows drive (``C:/``) is never a scheme.
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/+(.*)$")
-#: Object-storage schemes unison writes to, and the package that provides each.
-REMOTE_SCHEMES = {"s3": "s3fs"}
+#: What a storage plugin registers per URL scheme (hook ``unison_storage_backends``):
+#: ``factory(location, storage_options, option) -> (root, storage)``. ``location`` is the whole URL,
+#: ``storage_options`` the user's backend options, ``option`` the setting errors name.
+StorageFactory = Callable[[str, dict[str, Any], str], tuple[Path, LocalStorage]]
 
 
 def split_url(location: str | os.PathLike[str]) -> tuple[str, str] | None:
@@ -230,19 +237,30 @@ def split_url(location: str | os.PathLike[str]) -> tuple[str, str] | None:
 
 
 def open_storage(
-    location: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, option: str = "checkpoint_dir"
+    location: str | os.PathLike[str],
+    storage_options: dict[str, Any] | None = None,
+    option: str = "checkpoint_dir",
+    *,
+    plugins: PluginManager | None = None,
 ) -> tuple[Path, LocalStorage]:
     """The root path and storage for a checkpoint (or run directory) location.
 
     * a path or ``file://`` URL: that directory, :class:`LocalStorage`;
-    * ``s3://bucket/prefix``: an S3 bucket through s3fs, configured the
-      standard way (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
-      ``AWS_PROFILE``, ``AWS_ENDPOINT_URL``, fsspec's ``FSSPEC_S3_*``
-      variables) or by ``storage_options`` (s3fs's keyword arguments);
-    * anything else: a :class:`ConfigurationError`. A URL is never taken as
-      a local directory named after it.
+    * any other URL: the factory registered for its scheme through the
+      ``unison_storage_backends`` hook, given the URL, ``storage_options``
+      and ``option``. The built-in ``s3`` backend (:mod:`unison.plugins.storage.s3`)
+      is an S3 bucket through s3fs, configured the standard way
+      (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``,
+      ``AWS_ENDPOINT_URL``, fsspec's ``FSSPEC_S3_*`` variables) or by
+      ``storage_options`` (s3fs's keyword arguments);
+    * a scheme nobody registered: a :class:`ConfigurationError` naming the
+      registered ones. A URL is never taken as a local directory named after it.
 
     ``option`` is the setting errors name (``checkpoint_dir``, ``logging.dir``).
+    ``plugins`` is the manager whose plugins are asked; by default a lazy
+    :class:`~unison.plugin.manager.PluginManager` of the installed plugins
+    (entry points and ``UNISON_PLUGINS``), which imports only the plugin
+    modules that implement the hook. Local paths never reach a plugin.
     """
     url = split_url(location)
     if url is None:
@@ -250,13 +268,19 @@ def open_storage(
     scheme, rest = url
     if scheme == "file":
         return Path("/" + rest), LocalStorage()
-    if scheme not in REMOTE_SCHEMES:
+    if plugins is None:
+        from unison.plugin.manager import PluginManager
+
+        plugins = PluginManager(lazy=True)
+    backends = plugins.unison_storage_backends()
+    factory = backends.get(scheme)
+    if factory is None:
+        registered = ", ".join(f"{name}://" for name in ["file", *sorted(backends)])
         raise ConfigurationError(
             option,
-            f"{str(location)!r} uses the URL scheme {scheme!r}, which unison does not store to",
-            "give a local path, a file:// URL or an s3://bucket/prefix URL",
+            f"{str(location)!r} uses the URL scheme {scheme!r}, which no storage backend is registered for "
+            f"(registered: {registered})",
+            "give a local path or a URL of a registered scheme; a plugin adds a scheme through the "
+            "unison_storage_backends hook",
         )
-    from unison.checkpointing.remote_storage import FsspecStorage
-
-    storage = FsspecStorage(scheme, storage_options or {}, option=option)
-    return storage.root_path(rest), storage
+    return factory(str(location), storage_options or {}, option)

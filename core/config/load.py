@@ -179,7 +179,8 @@ def _valid_sections(source: Source, problems: list[Problem]) -> dict[str, Any]:
             continue
         value = source.raw.get(name, field.default)
         try:
-            sections[name] = pydantic.TypeAdapter(field.annotation).validate_python(value)
+            annotation: Any = field.annotation  # every RunConfig field is annotated
+            sections[name] = pydantic.TypeAdapter(annotation).validate_python(value)
         except pydantic.ValidationError:
             continue
     return sections

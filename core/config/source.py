@@ -14,13 +14,18 @@ positions) and from YAML's own node marks.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, from PyPI (a dependency there)
+    import tomli as tomllib
 
 from unison.errors import ConfigurationError
 
@@ -226,9 +231,13 @@ def apply_overrides(source: Source, overrides: Sequence[str]) -> None:
                 node = node.setdefault(part, {})
         if not isinstance(node, dict | list) or (isinstance(node, list) and not isinstance(loc[-1], int)):
             raise ConfigurationError(f"--set {item}", f"{dotted(loc[:-1])} is not a table", "check the key")
-        if isinstance(node, list) and (not isinstance(loc[-1], int) or loc[-1] >= len(node)):
-            raise ConfigurationError(f"--set {item}", f"{dotted(loc)} does not exist", "override an existing entry")
-        node[loc[-1]] = parse_value(text)
+        last = loc[-1]
+        if isinstance(node, list):
+            if not isinstance(last, int) or last >= len(node):
+                raise ConfigurationError(f"--set {item}", f"{dotted(loc)} does not exist", "override an existing entry")
+            node[last] = parse_value(text)
+        else:
+            node[last] = parse_value(text)
         for old in [p for p in source.places if p[: len(loc)] == loc]:
             del source.places[old]
         source.places[loc] = f"--set {item}"

@@ -13,6 +13,7 @@ The trainer never assumes a batch is ``(inputs, targets)`` except in the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,7 +38,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], batch: Any) -> Any:
         mapped = {k: map_tensors(fn, v) for k, v in batch.items()}
         try:
             # Keep the mapping's own type (e.g. transformers' BatchEncoding).
-            return type(batch)(mapped)
+            rebuild: Any = type(batch)  # a concrete Mapping subclass, whose constructor takes a dict
+            return rebuild(mapped)
         except Exception:  # a Mapping type that cannot be rebuilt from a dict
             return mapped
     return batch
@@ -91,7 +93,11 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
             "batch", f"a batch of {size} rows does not split into {parts} equal parts", "use a divisible batch size"
         )
     step = size // parts
-    return [map_tensors(lambda t, i=i: t[i * step : (i + 1) * step] if t.dim() > 0 else t, batch) for i in range(parts)]
+
+    def part(t: torch.Tensor, i: int) -> torch.Tensor:
+        return t[i * step : (i + 1) * step] if t.dim() > 0 else t
+
+    return [map_tensors(functools.partial(part, i=i), batch) for i in range(parts)]
 
 
 def count_tokens(batch: Any) -> int | None:

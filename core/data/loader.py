@@ -43,7 +43,6 @@ Collation
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import warnings
@@ -52,8 +51,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate
+from torch.utils.data import DataLoader, IterableDataset, Sampler, default_collate, default_convert
 
+from unison._upstream import hidden_loader_worker, shutdown_loader_workers
 from unison.contract.settings import TrainerSettings
 from unison.data.batch import batch_size, count_tokens
 from unison.errors import ConfigurationError
@@ -223,7 +223,7 @@ def resolve_source(
         settings.num_workers, settings.pin_memory, settings.prefetch_factor, settings.persistent_workers
     )
     if isinstance(data, DataLoader):
-        if collate_fn is None and data.collate_fn is not default_collate and not _is_default_convert(data.collate_fn):
+        if collate_fn is None and data.collate_fn is not default_collate and data.collate_fn is not default_convert:
             collate_fn = data.collate_fn
         options = LoaderOptions(
             data.num_workers,
@@ -252,12 +252,6 @@ def resolve_source(
             "pass a re-iterable source: an IterableDataset whose __iter__ starts a new pass, or a list",
         )
     return data, collate_fn or default_collate, options
-
-
-def _is_default_convert(fn: Any) -> bool:
-    from torch.utils.data._utils.collate import default_convert
-
-    return fn is default_convert
 
 
 # --------------------------------------------------------------------------- #
@@ -309,7 +303,10 @@ class _StreamMicroBatches(IterableDataset):
     def __iter__(self) -> Iterator[tuple[int, int, int, Any]]:
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        with _whole_stream_reader():
+        # Sources such as Hugging Face's IterableDataset shard themselves by loader worker when they
+        # see one; every worker must read the whole stream here to keep the global order (checked by
+        # the tests with a real Hugging Face streaming dataset and 2 workers).
+        with hidden_loader_worker():
             for step, epoch, samples in stream_global_batches(
                 self.source, self.global_batch_size, self.end_step, self.end_epoch
             ):
@@ -318,27 +315,6 @@ class _StreamMicroBatches(IterableDataset):
                 for m, part in enumerate(local_slices(samples, self.accumulate, self.replicas, self.rank)):
                     if (step * self.accumulate + m) % workers == worker:
                         yield step, epoch, m, self.collate_fn(part)
-
-
-@contextlib.contextmanager
-def _whole_stream_reader() -> Iterator[None]:
-    """Hide the loader worker's identity from the source while it is read.
-
-    Sources such as Hugging Face's ``IterableDataset`` shard themselves by
-    DataLoader worker when they see one (``get_worker_info()``); here every
-    worker must read the whole stream to keep the global order, so they must
-    not. ``torch.utils.data._utils.worker._worker_info`` is the value
-    ``get_worker_info()`` returns (torch 2.13; a private name, checked by the
-    tests with a real Hugging Face streaming dataset and 2 workers).
-    """
-    from torch.utils.data._utils import worker
-
-    saved = worker._worker_info
-    worker._worker_info = None
-    try:
-        yield
-    finally:
-        worker._worker_info = saved
 
 
 def stream_global_batches(
@@ -409,7 +385,7 @@ class TrainData:
         *,
         data_parallel_size: int,
         data_parallel_rank: int,
-        to_device: Callable[[Any], Any] | None = None,
+        to_device: Callable[..., Any] | None = None,
         token_counter: Callable[[Any], int | None] | None = None,
     ) -> None:
         self.settings = settings
@@ -430,7 +406,8 @@ class TrainData:
             if self.map_style
             else None
         )
-        self.to_device = to_device or (lambda batch: batch)
+        # The identity takes the keyword arguments a strategy's to_device does (non_blocking).
+        self.to_device: Callable[..., Any] = to_device or (lambda batch, **_: batch)
         self.token_counter = token_counter or count_tokens
         self._iterator: Any = None
 
@@ -519,7 +496,8 @@ class TrainData:
                 else:
                     last = pending is None or pending[1] != epoch
                 counts = [self.token_counter(b) for b in batches]
-                tokens = None if any(c is None for c in counts) else sum(counts)  # type: ignore[misc]
+                known = [c for c in counts if c is not None]
+                tokens = sum(known) if len(known) == len(counts) else None
                 pin = self.options.pin_memory
                 yield StepBatch(
                     step,
@@ -556,8 +534,8 @@ class TrainData:
     def close(self) -> None:
         """Stop loader workers (also called when ``fit`` ends early)."""
         iterator, self._iterator = self._iterator, None
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+        if iterator is not None:
+            shutdown_loader_workers(iterator)
 
     # -- position ------------------------------------------------------------------- #
     def state_dict(self, step: int) -> dict[str, Any]:

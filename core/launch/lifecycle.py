@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from unison._upstream import set_default_group_timeout
+
 #: Exit code of a run that stopped on request after committing a checkpoint
 #: (EX_TEMPFAIL: "temporary failure, try again"). Restart it with
 #: ``ckpt_path="auto"`` to continue exactly where it stopped.
@@ -90,7 +92,7 @@ def init_process_group(backend: str) -> None:
     if "nccl" in backend:
         enable_nccl_flight_recorder()
     dist.init_process_group(backend, timeout=_seconds("UNISON_RENDEZVOUS_TIMEOUT", RENDEZVOUS_TIMEOUT_S))
-    dist.distributed_c10d._set_pg_timeout(_seconds("UNISON_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S))
+    set_default_group_timeout(_seconds("UNISON_COLLECTIVE_TIMEOUT", COLLECTIVE_TIMEOUT_S))
 
 
 def collective_timeout_s() -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,23 +27,26 @@ def watch_torchrun() -> Iterator[set[int]]:
     """
     from torch.distributed.elastic.multiprocessing import api
 
+    from unison._upstream import torchrun_worker_failures
+
     failed_before_close: set[int] = set()
+    closing: weakref.WeakSet[Any] = weakref.WeakSet()  # the worker contexts close() was called on
     original = api.PContext.close
 
     def close(self: Any, *args: Any, **kwargs: Any) -> None:
-        if not getattr(self, "_unison_closing", False):  # the first close: nothing terminated yet
-            self._unison_closing = True
-            failed_before_close.update(f.pid for f in getattr(self, "_failures", {}).values())
+        if self not in closing:  # the first close: nothing terminated yet
+            closing.add(self)
+            failed_before_close.update(f.pid for f in torchrun_worker_failures(self).values())
         return original(self, *args, **kwargs)
 
     log = logging.getLogger(api.__name__)
     level = log.level
-    api.PContext.close = close  # type: ignore[method-assign]
+    api.PContext.close = close
     log.setLevel(logging.CRITICAL)
     try:
         yield failed_before_close
     finally:
-        api.PContext.close = original  # type: ignore[method-assign]
+        api.PContext.close = original
         log.setLevel(level)
 
 

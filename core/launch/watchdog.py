@@ -235,7 +235,7 @@ class Watchdog:
 
     def stop(self) -> None:
         """Stop the threads and mark this rank done (it is never blamed after this)."""
-        if self._thread is None:
+        if self._thread is None or self._io is None:
             return
         self._stop.set()
         for thread in (self._thread, self._io):
@@ -336,9 +336,9 @@ class Watchdog:
         where += [f"rank {r} at {detector.where(r)}" for r in live]
         return f"stalled {', '.join(names)}; live: {'; '.join(where)}"
 
-    def _stopped_here(self, detector: StallDetector, stalled: list[int]) -> list[tuple[int, str]]:
+    def _stopped_here(self, detector: StallDetector, stalled: list[int]) -> list[tuple[int, str | None]]:
         """(pid, start time) of the stalled ranks that run on this host, as their heartbeats said."""
-        found = []
+        found: list[tuple[int, str | None]] = []
         for r in stalled:
             rec = detector.seen[r].record if r in detector.seen else {}
             if rec.get("host") == self._identity["host"] and isinstance(rec.get("pid"), int):
@@ -387,13 +387,16 @@ def dump_nccl_trace(rank: int) -> str | None:
     """Write torch's NCCL flight recorder (CUDA builds) to ``TORCH_FR_DUMP_TEMP_FILE`` + rank; its path or ``None``."""
     import torch
 
-    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    from unison._upstream import nccl_flight_recorder_dump
+
     base = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
-    if dump is None or not base or not torch.cuda.is_available():
+    if not base or not torch.cuda.is_available():
         return None
     path = f"{base}{rank}"
     try:
-        data = dump(True, True, False)  # collectives, stack traces, not only the active ones
+        data = nccl_flight_recorder_dump()
+        if data is None:  # a build without NCCL
+            return None
         with open(path, "wb") as f:
             f.write(data)
     except Exception as exc:  # a failed dump must not hide the stall report

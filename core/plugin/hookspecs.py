@@ -64,6 +64,7 @@ from unison.plugin import hookspec
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from unison.checkpointing.storage import StorageFactory
     from unison.launch.cluster import ClusterEnvironment
     from unison.plugin.registry import PrecisionSpec, StrategySpec
     from unison.training.trainer import StepOutput, Trainer
@@ -149,6 +150,36 @@ def unison_cluster_environments() -> list[ClusterEnvironment]:
     Returns:
         A list of :class:`~unison.launch.cluster.ClusterEnvironment` instances; names
         must be unique across plugins.
+    """
+
+
+@hookspec
+def unison_storage_backends() -> dict[str, StorageFactory]:
+    """Register checkpoint and run-directory storage by URL scheme (``s3`` for ``s3://bucket/prefix``).
+
+    Called by :func:`unison.checkpointing.storage.open_storage` each time it
+    opens a URL location whose scheme is not ``file`` (local paths and
+    ``file://`` never reach a plugin): ``checkpoint_dir`` when a Trainer is
+    built (on every rank, before any process group) and when its
+    checkpointer opens a ``ckpt_path`` URL, a logger's ``dir``, and the
+    ``unison checkpoint`` commands (in the launching process). Nothing is
+    cached between calls, so a plugin registered later is found. The
+    built-in ``s3`` backend registers here too (:mod:`unison.plugins.storage.s3`).
+
+    Returns:
+        A dict mapping a lowercase URL scheme (without ``://``) to a
+        :data:`~unison.checkpointing.storage.StorageFactory`:
+        ``factory(location, storage_options, option) -> (root, storage)``,
+        called with the whole URL, the user's ``storage_options`` (a dict,
+        empty when none were given) and the setting name for error messages
+        (``checkpoint_dir``, ``logging.dir``). ``root`` is the path the
+        checkpointer joins names onto; ``storage`` a
+        :class:`~unison.checkpointing.storage.LocalStorage` subclass doing
+        every read, write, listing and commit for paths under ``root``.
+        A factory raises :class:`~unison.ConfigurationError` for a location
+        it cannot use (a missing client library, a refused credential). A
+        scheme registered by two plugins is a :class:`~unison.PluginError`
+        naming both.
     """
 
 

@@ -61,6 +61,7 @@ from unison.plugin.registry import PrecisionRegistry, StrategyRegistry
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from unison.checkpointing.storage import StorageFactory
     from unison.launch.cluster import ClusterEnvironment
     from unison.training.trainer import StepOutput, Trainer
 
@@ -259,15 +260,20 @@ class PluginManager:
         still a pluggy call, so every wrapper (``wrapper=True``) runs around it
         and hook-call monitoring records it, once per registering plugin.
         """
+        return [
+            (name, [spec for result in results for spec in (result or [])]) for name, results in self._each(hook_name)
+        ]
+
+    def _each(self, hook_name: str) -> list[tuple[str, list[Any]]]:
+        """Each implementing plugin's name with what its implementation returned (see :meth:`_collect`)."""
         self._need(hook_name)
         caller = getattr(self._pm.hook, hook_name)
         providers = [impl for impl in caller.get_hookimpls() if not (impl.wrapper or impl.hookwrapper)]
-        collected = []
+        each = []
         for impl in providers:
             others = [other.plugin for other in providers if other.plugin is not impl.plugin]
-            results = self._pm.subset_hook_caller(hook_name, remove_plugins=others)()
-            collected.append((impl.plugin_name, [spec for result in results for spec in (result or [])]))
-        return collected
+            each.append((impl.plugin_name, self._pm.subset_hook_caller(hook_name, remove_plugins=others)()))
+        return each
 
     @property
     def strategies(self) -> StrategyRegistry:
@@ -329,6 +335,21 @@ class PluginManager:
             raise PluginError(f"cluster environment(s) registered twice: {', '.join(duplicates)}")
         return environments
 
+    def unison_storage_backends(self) -> dict[str, StorageFactory]:
+        """Every plugin's storage factories by URL scheme; a scheme registered twice names both plugins."""
+        backends: dict[str, StorageFactory] = {}
+        owners: dict[str, str] = {}
+        for plugin_name, results in self._each("unison_storage_backends"):
+            for result in results:
+                for scheme, factory in (result or {}).items():
+                    scheme = scheme.lower()
+                    if scheme in owners:
+                        raise PluginError(
+                            f"storage scheme {scheme!r} registered by both {owners[scheme]!r} and {plugin_name!r}"
+                        )
+                    owners[scheme], backends[scheme] = plugin_name, factory
+        return backends
+
     def unison_on_fit_start(self, *, trainer: Trainer) -> None:
         self._call("unison_on_fit_start")(trainer=trainer)
 
@@ -350,7 +371,7 @@ class PluginManager:
     def unison_on_after_backward(self, *, trainer: Trainer, step: int) -> None:
         self._call("unison_on_after_backward")(trainer=trainer, step=step)
 
-    def unison_on_before_optimizer_step(self, *, trainer: Trainer, step: int, grad_norm: float | torch.Tensor) -> None:
+    def unison_on_before_optimizer_step(self, *, trainer: Trainer, step: int, grad_norm: torch.Tensor) -> None:
         self._call("unison_on_before_optimizer_step")(trainer=trainer, step=step, grad_norm=grad_norm)
 
     def unison_on_after_optimizer_step(self, *, trainer: Trainer, step: int, skipped: bool) -> None:

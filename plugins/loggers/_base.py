@@ -66,6 +66,7 @@ class RunLogger:
             return
         if self.run is not None:
             self.path = self.run.open(trainer)
+            assert self.run.metadata is not None  # open() records it
             metadata = self.run.metadata
         else:
             metadata = run_metadata(trainer)

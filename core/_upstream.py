@@ -1,0 +1,205 @@
+"""Every non-public torch name unison's core and plugins use, one function each (verified against torch 2.13.0).
+
+A private API can change in any torch release. Each one lives here, beside the reason
+no public API serves, so an upgrade is a review of this file instead of a hunt through
+the loop, the loader and the launcher. Each function warns once, at first use, when the
+installed torch is not :data:`VERIFIED_VERSION` (the dependency pins it), and says what
+it does instead when the private name is gone. ``tests/test_upstream.py`` fails when
+code in ``core/`` or ``plugins/`` outside this module reaches a private upstream name,
+and runs each function here against the installed torch.
+
+* ``torch.distributed.distributed_c10d._set_pg_timeout``: :func:`set_default_group_timeout`;
+* ``torch._C._distributed_c10d._dump_nccl_trace``: :func:`nccl_flight_recorder_dump`;
+* ``torch.distributed.elastic`` ``SubprocessContext._failures``: :func:`torchrun_worker_failures`;
+* ``torch.utils.data._utils.worker._worker_info``: :func:`hidden_loader_worker`;
+* ``_MultiProcessingDataLoaderIter._shutdown_workers``: :func:`shutdown_loader_workers`;
+* ``torch._utils._flatten_dense_tensors`` / ``_unflatten_dense_tensors``:
+  :func:`flatten_dense_tensors`, :func:`unflatten_dense_tensors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+import importlib.metadata
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+#: The torch release every private name below was read in and tested against.
+VERIFIED_VERSION = "2.13.0"
+
+
+@functools.cache
+def warn_if_unverified(distribution: str, verified: str, adapter: str) -> None:
+    """Warn once when the installed ``distribution`` is not the version ``adapter`` was verified against."""
+    try:
+        installed = importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return  # the caller's import fails with its own message
+    if installed.split("+")[0] != verified:
+        warnings.warn(
+            f"unison's {adapter} adapter was verified against {distribution} {verified}, but {installed} is "
+            f"installed: the non-public APIs listed in {adapter} may have changed; run the conformance suite",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _check() -> None:
+    warn_if_unverified("torch", VERIFIED_VERSION, __name__)
+
+
+@functools.cache
+def _missing(name: str, instead: str) -> None:
+    """Warn once that the private ``name`` is gone from the installed torch, and what unison does instead."""
+    warnings.warn(
+        f"torch {torch.__version__} has no {name} (unison verified it in torch {VERIFIED_VERSION}): {instead}",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Process groups and launching
+# --------------------------------------------------------------------------- #
+def set_default_group_timeout(timeout: datetime.timedelta) -> None:
+    """Give the default process group ``timeout`` for its collectives, after the rendezvous used its own.
+
+    ``init_process_group(timeout=...)`` sets one timeout for both the rendezvous and
+    every later collective; unison wants a short one for the first (a missing rank
+    fails the start within minutes) and a long one for the second (a checkpoint
+    write). No public call changes a live group's timeout.
+    """
+    _check()
+    # PRIVATE distributed_c10d._set_pg_timeout: the one setter of an existing group's timeout.
+    setter = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        _missing("distributed_c10d._set_pg_timeout", "collectives keep the rendezvous timeout")
+        return
+    setter(timeout)
+
+
+def nccl_flight_recorder_dump() -> bytes | None:
+    """The NCCL flight recorder's record (collectives, stack traces, finished ones too), or ``None``.
+
+    ``None`` on builds without NCCL (CPU wheels): there the private function does
+    not exist and there is nothing to record, so no warning. No public API reads
+    the recorder from inside the process.
+    """
+    _check()
+    # PRIVATE torch._C._distributed_c10d._dump_nccl_trace: the flight recorder's in-process reader.
+    dump = getattr(torch._C._distributed_c10d, "_dump_nccl_trace", None)
+    if dump is None:
+        return None
+    data: bytes = dump(True, True, False)  # collectives, stack traces, not only the active ones
+    return data
+
+
+def torchrun_worker_failures(pcontext: Any) -> dict[int, Any]:
+    """The failures a torchrun worker context recorded so far (local rank -> ``ProcessFailure``).
+
+    Read when torchrun first closes the worker group, to tell the workers that failed
+    on their own from those it is about to terminate; torchrun reports both the same
+    way afterwards. ``{}`` for a context that keeps no such record (the multiprocessing
+    one); a subprocess context without it warns once (every failure then looks real).
+    """
+    _check()
+    # PRIVATE SubprocessContext._failures: the failures seen before close() terminates the rest.
+    failures = getattr(pcontext, "_failures", None)
+    if failures is None:
+        from torch.distributed.elastic.multiprocessing import api
+
+        if isinstance(pcontext, api.SubprocessContext):
+            _missing("SubprocessContext._failures", "workers torchrun terminated are reported as failures too")
+        return {}
+    return dict(failures)
+
+
+# --------------------------------------------------------------------------- #
+# Data loading
+# --------------------------------------------------------------------------- #
+@contextlib.contextmanager
+def hidden_loader_worker() -> Iterator[None]:
+    """Make ``torch.utils.data.get_worker_info()`` return ``None`` while the block runs.
+
+    Sources such as Hugging Face's ``IterableDataset`` shard themselves by DataLoader
+    worker when they see one; the trainer's loader workers must each read the whole
+    stream to keep the global order. ``get_worker_info()`` has no public setter.
+    """
+    _check()
+    from torch.utils.data._utils import worker  # PRIVATE module: it holds the value get_worker_info() returns
+
+    if not hasattr(worker, "_worker_info"):
+        _missing("torch.utils.data._utils.worker._worker_info", "a source that shards by worker will see workers")
+        yield
+        return
+    # PRIVATE worker._worker_info: what get_worker_info() returns, saved and restored around the block.
+    saved = worker._worker_info
+    worker._worker_info = None
+    try:
+        yield
+    finally:
+        worker._worker_info = saved
+
+
+def shutdown_loader_workers(iterator: Any) -> None:
+    """Stop a ``DataLoader`` iterator's worker processes now (a loop that ends early).
+
+    A multi-process iterator stops its workers when it is exhausted or collected;
+    ``fit`` ending early must not wait for the garbage collector. No public method
+    exists. A single-process iterator has no workers and nothing to do.
+    """
+    _check()
+    # PRIVATE _MultiProcessingDataLoaderIter._shutdown_workers: what its __del__ calls.
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is None:
+        from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter  # PRIVATE class, only to tell
+
+        if isinstance(iterator, _MultiProcessingDataLoaderIter):
+            _missing("_MultiProcessingDataLoaderIter._shutdown_workers", "workers stop when the iterator is collected")
+        return
+    shutdown()
+
+
+# --------------------------------------------------------------------------- #
+# Tensors
+# --------------------------------------------------------------------------- #
+def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One contiguous 1-D tensor holding ``tensors`` back to back (one collective for many tensors)."""
+    _check()
+    # PRIVATE torch._utils: the flattening DDP uses for its buckets; torch.cat of flattened views otherwise.
+    flatten = getattr(torch._utils, "_flatten_dense_tensors", None)
+    if flatten is None:
+        _missing("torch._utils._flatten_dense_tensors", "torch.cat of the flattened tensors instead")
+        return torch.cat([t.reshape(-1) for t in tensors])
+    result: torch.Tensor = flatten(tensors)
+    return result
+
+
+def unflatten_dense_tensors(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like ``tensors`` (the inverse of :func:`flatten_dense_tensors`)."""
+    _check()
+    # PRIVATE torch._utils: the inverse of the flattening above; split and view otherwise.
+    unflatten = getattr(torch._utils, "_unflatten_dense_tensors", None)
+    if unflatten is None:
+        _missing("torch._utils._unflatten_dense_tensors", "torch.split and view instead")
+        pieces = torch.split(flat, [t.numel() for t in tensors])
+        return [piece.view_as(t) for piece, t in zip(pieces, tensors)]
+    return list(unflatten(flat, tensors))
+
+
+__all__ = [
+    "VERIFIED_VERSION",
+    "flatten_dense_tensors",
+    "hidden_loader_worker",
+    "nccl_flight_recorder_dump",
+    "set_default_group_timeout",
+    "shutdown_loader_workers",
+    "torchrun_worker_failures",
+    "unflatten_dense_tensors",
+    "warn_if_unverified",
+]
