@@ -121,7 +121,7 @@ def execute_run(
                 lr_scheduler=make_scheduler if scenario.scheduler else None,
                 ckpt_path=resume_path,
             )
-        recorder._close_mark()
+        recorder.close_mark()
         start = recorder.start_counts or {
             "optimizer_steps": progress.optimizer_steps,
             "scheduler_steps": progress.scheduler_steps,

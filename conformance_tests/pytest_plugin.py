@@ -182,7 +182,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     from rich.console import Console
 
     report = session.report()
-    console = Console(record=True, width=max(100, terminalreporter._tw.fullwidth), file=io.StringIO())
+    console = Console(
+        record=True, width=max(100, terminalreporter.config.get_terminal_writer().fullwidth), file=io.StringIO()
+    )
     report.print_table(console)
     terminalreporter.write_line(console.export_text())
     if session.report_dir:

@@ -21,7 +21,7 @@ from unison.conformance.data import Sizing, default_alt_world_size
 from unison.conformance.execution import REFERENCE, check_precision_declarations, make_plugin_manager
 from unison.conformance.scenarios import select
 from unison.conformance.worlds import PhaseContext, merge_ranks, phase_runs, run_phase, world_diagnostics
-from unison.errors import ConfigurationError
+from unison.errors import ConfigurationError, UnisonError
 
 
 @dataclass

@@ -128,7 +128,7 @@ class TraceRecorder:
         else:
             self.updates_outside_window += 1
 
-    def _close_mark(self) -> None:
+    def close_mark(self) -> None:
         if self._mark is not None:
             self._mark.__exit__(None, None, None)
             self._mark = None
@@ -142,13 +142,13 @@ class TraceRecorder:
                 "optimizer_steps": trainer.progress.optimizer_steps,
                 "scheduler_steps": trainer.progress.scheduler_steps,
             }
-        self._close_mark()
+        self.close_mark()
         self._mark = torch.autograd.profiler.record_function(STEP_MARK)
         self._mark.__enter__()
 
     @unison.hookimpl
     def unison_on_after_backward(self, step: int) -> None:
-        self._close_mark()
+        self.close_mark()
 
     @unison.hookimpl
     def unison_on_before_optimizer_step(self, step: int, grad_norm: float) -> None:

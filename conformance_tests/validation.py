@@ -51,7 +51,7 @@ def check_validations(c: Any, label: str, trace: dict[str, Any], twin: dict[str,
         return
     tol = c.tol.loss
     for g, w in zip(got, want):
-        c._close(label, against, "val/loss", g["step"], g["loss"], w["loss"], tol, "validation", track_loss=True)
+        c.close(label, against, "val/loss", g["step"], g["loss"], w["loss"], tol, "validation", track_loss=True)
     if got:
         c.checks.append(f"{label}: val/loss at steps {[v['step'] for v in got]} equals {against}'s (rel {tol:g})")
 

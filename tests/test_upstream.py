@@ -36,18 +36,6 @@ CORE_ADAPTER = ROOT / "core" / "_upstream.py"
 #: cleanup, the documented way out of a forked or stalled process) and namedtuple's ``_fields``.
 DOCUMENTED_PUBLIC = {"os._exit", "_fields"}
 
-#: Private upstream uses in modules being rewritten, each with its way out. A stale entry fails
-#: ``test_pending_exceptions_are_still_needed``, so each is removed once its module is switched.
-PENDING = {
-    # The parameter broadcast: switch to unison._upstream.flatten_dense_tensors / unflatten_dense_tensors.
-    ("core/training/trainer.py", "from torch._utils import ..."): "the trainer moves to core/_upstream.py",
-    # pytest's terminal writer width; conformance_tests is being rewritten.
-    ("conformance_tests/pytest_plugin.py", "terminalreporter._tw"): "pending: conformance_tests rewrite",
-    # unison's own objects, reached from outside their class; conformance_tests is being rewritten.
-    ("conformance_tests/runner.py", "recorder._close_mark"): "pending: conformance_tests rewrite",
-    ("conformance_tests/validation.py", "c._close"): "pending: conformance_tests rewrite",
-}
-
 
 def own_private_names(paths: list[Path]) -> set[str]:
     """The ``_names`` unison's own code defines (``self._x = ...``, ``def``, ``class``, assignments)."""
@@ -127,14 +115,8 @@ def test_no_strategy_reaches_a_private_upstream_name_outside_the_adapters():
 
 def test_core_and_plugins_reach_private_upstream_names_only_through_core_upstream():
     assert len(OTHER_FILES) >= 60
-    uses = [use for rel, what, use in _uses(OTHER_FILES) if (rel, what) not in PENDING]
+    uses = [use for _rel, _what, use in _uses(OTHER_FILES)]
     assert not uses, "move these behind core/_upstream.py (one function per private name):\n" + "\n".join(uses)
-
-
-def test_pending_exceptions_are_still_needed():
-    found = {(rel, what) for rel, what, _ in _uses(OTHER_FILES)}
-    stale = sorted(set(PENDING) - found)
-    assert not stale, f"remove these from PENDING, their modules no longer reach the private name: {stale}"
 
 
 def test_the_scan_ignores_relative_imports_and_documented_public_names(tmp_path):

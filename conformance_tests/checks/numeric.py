@@ -48,7 +48,7 @@ class Checker:
     def fail(self, run: str, quantity: str, **kw: Any) -> None:
         self.divergences.append(Divergence(self.scenario.name, run, quantity, **kw))
 
-    def _close(
+    def close(
         self,
         run: str,
         against: str,
@@ -111,7 +111,7 @@ class Checker:
                 self.fail(
                     run, "skipped", step=step, expected=b["skipped"], got=a["skipped"], against=against, kind="skipped"
                 )
-            self._close(run, against, "loss", step, a["loss"], b["loss"], self.tol.loss, "loss", track_loss=True)
+            self.close(run, against, "loss", step, a["loss"], b["loss"], self.tol.loss, "loss", track_loss=True)
             if len(a["micro_losses"]) != len(b["micro_losses"]):
                 self.fail(
                     run,
@@ -124,10 +124,8 @@ class Checker:
                 )
             else:
                 for i, (x, y) in enumerate(zip(a["micro_losses"], b["micro_losses"])):
-                    self._close(run, against, f"micro-batch {i} loss", step, x, y, self.tol.loss, "loss")
-            self._close(
-                run, against, "grad_norm", step, a["grad_norm"], b["grad_norm"], self.tol.grad_norm, "grad_norm"
-            )
+                    self.close(run, against, f"micro-batch {i} loss", step, x, y, self.tol.loss, "loss")
+            self.close(run, against, "grad_norm", step, a["grad_norm"], b["grad_norm"], self.tol.grad_norm, "grad_norm")
             if len(a["lrs"]) != len(b["lrs"]):
                 self.fail(
                     run,
@@ -140,7 +138,7 @@ class Checker:
                 )
             else:
                 for g, (x, y) in enumerate(zip(a["lrs"], b["lrs"])):
-                    self._close(run, against, f"lr (group {g})", step, x, y, self.tol.lr, "lr")
+                    self.close(run, against, f"lr (group {g})", step, x, y, self.tol.lr, "lr")
 
     def state(
         self,

@@ -67,7 +67,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from unison.checkpointing.storage import StorageFactory
     from unison.launch.cluster import ClusterEnvironment
     from unison.plugin.registry import PrecisionSpec, StrategySpec
-    from unison.training.trainer import StepOutput, Trainer
+    from unison.training.outputs import StepOutput
+    from unison.training.trainer import Trainer
 
 
 # --------------------------------------------------------------------------- #

@@ -63,7 +63,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from unison.checkpointing.storage import StorageFactory
     from unison.launch.cluster import ClusterEnvironment
-    from unison.training.trainer import StepOutput, Trainer
+    from unison.training.outputs import StepOutput
+    from unison.training.trainer import Trainer
 
 ENTRY_POINT_GROUP = "unison"
 DISABLE_AUTOLOAD_ENV = "UNISON_DISABLE_PLUGIN_AUTOLOAD"

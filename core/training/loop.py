@@ -26,6 +26,8 @@ from unison.errors import ConfigurationError
 from unison.training.outputs import NonFiniteError, StepOutput
 
 if TYPE_CHECKING:
+    from unison.launch.lifecycle import RunGuard
+    from unison.launch.watchdog import Watchdog
     from unison.training.checkpointing import CheckpointManager
     from unison.training.metrics import MetricsLog
     from unison.training.trainer import Trainer
@@ -38,19 +40,31 @@ class TrainLoop:
     """Runs one fit's steps on the parts ``fit`` set up (strategy, precision, data, world) held by ``trainer``."""
 
     def __init__(
-        self, trainer: Trainer, validator: Validator, checkpoints: CheckpointManager, metrics: MetricsLog
+        self,
+        trainer: Trainer,
+        validator: Validator,
+        checkpoints: CheckpointManager,
+        metrics: MetricsLog,
+        *,
+        guard: RunGuard | None,
+        watchdog: Watchdog,
+        control_group: Any,
     ) -> None:
         self.trainer = trainer
         self.validator = validator
         self.checkpoints = checkpoints
         self.metrics = metrics
+        #: The fit's stop-request guard, progress watchdog and CPU control group (``None`` at world 1).
+        self.guard = guard
+        self.watchdog = watchdog
+        self.control_group = control_group
         #: Optimizer steps skipped in a row; ``max_consecutive_skips`` of them stop training.
         self.consecutive_skips = 0
 
     def run(self) -> None:
         """Train from ``trainer.progress.global_step`` on (a resume's step, or 0)."""
         trainer = self.trainer
-        s, hook, progress, watchdog = trainer.settings, trainer.pm, trainer.progress, trainer._watchdog
+        s, hook, progress, watchdog = trainer.settings, trainer.pm, trainer.progress, self.watchdog
         assert trainer.data is not None
         epoch = None
         for batch in trainer.data.steps(progress.global_step):
@@ -89,12 +103,12 @@ class TrainLoop:
         :class:`~unison.launch.lifecycle.Preempted` on every rank.
         """
         trainer = self.trainer
-        env, guard = trainer.env, trainer._guard
+        env, guard = trainer.env, self.guard
         requested = guard.received if guard is not None else None
         if env is not None and env.distributed and env.world_size > 1:
             signum = guard.signum if guard is not None else 0
             flags = torch.tensor([float(trainer.should_stop), float(requested is not None), float(signum)])
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=trainer._control_group)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.control_group)
             trainer.should_stop = bool(flags[0].item())
             if flags[1].item() and requested is None:
                 # Every rank names the signal, whichever rank it reached first.
@@ -113,7 +127,7 @@ class TrainLoop:
         step = batch.step
         hook.unison_on_train_step_start(trainer=trainer, step=step)
         losses = self.forward_backward(batch.micro_batches)
-        trainer._watchdog.mark(step, "optimizer_step")
+        self.watchdog.mark(step, "optimizer_step")
         hook.unison_on_after_backward(trainer=trainer, step=step)
 
         # Every micro-batch's loss and the step's tokens, summed over replicas in one collective.
@@ -176,7 +190,7 @@ class TrainLoop:
         per_rank: list[Any] = [flags]
         if env.distributed and env.world_size > 1:
             per_rank = [None] * env.world_size
-            torch.distributed.all_gather_object(per_rank, flags, group=trainer._control_group)
+            torch.distributed.all_gather_object(per_rank, flags, group=self.control_group)
         where = next(
             (f"micro-batch {m} on rank {r}" for m in range(len(flags)) for r, f in enumerate(per_rank) if not f[m]),
             None,

@@ -411,7 +411,15 @@ class Trainer:
             },
         )
         self._validator = Validator(self, inputs.validation, self._metrics)
-        self._loop = TrainLoop(self, self._validator, self._checkpoints, self._metrics)
+        self._loop = TrainLoop(
+            self,
+            self._validator,
+            self._checkpoints,
+            self._metrics,
+            guard=self._guard,
+            watchdog=self._watchdog,
+            control_group=self._control_group,
+        )
 
         hook.unison_on_fit_start(trainer=self)
         if not inputs.resume.fresh:

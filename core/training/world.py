@@ -98,7 +98,7 @@ def build_precision(
 
 def broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:
     """Make every rank's parameters and buffers equal to rank ``src``'s, in buckets of one dtype."""
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    from unison._upstream import flatten_dense_tensors, unflatten_dense_tensors
 
     tensors = [t.data for t in [*module.parameters(), *module.buffers()]]
     seen: set[int] = set()
@@ -115,8 +115,8 @@ def broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:
                 bucket.append(t)
                 size += t.numel() * t.element_size()
             if bucket and (t is None or size >= bucket_bytes):
-                flat = _flatten_dense_tensors(bucket)
+                flat = flatten_dense_tensors(bucket)
                 torch.distributed.broadcast(flat, src=src)
-                for dst, value in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                for dst, value in zip(bucket, unflatten_dense_tensors(flat, bucket)):
                     dst.copy_(value)
                 bucket, size = [], 0
