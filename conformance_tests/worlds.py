@@ -145,7 +145,7 @@ def world_diagnostics(directory: Path, world: str) -> str:
         if stacks.exists() and stacks.stat().st_size:
             text = stacks.read_text().strip().splitlines()
             # The main thread's stack (faulthandler prints it first), innermost call first.
-            main = []
+            main: list[str] = []
             for line in text:
                 if line.startswith("Thread") and main:
                     break

@@ -246,7 +246,7 @@ class FairscaleSDPStrategy(ReplicatedStrategy):
 
     def _owned_params_with_grad(self) -> list[torch.nn.Parameter]:
         assert self.optimizer is not None
-        owned = self.optimizer.partition_parameters()[torch.distributed.get_rank()]  # type: ignore[union-attr]
+        owned = self.optimizer.partition_parameters()[torch.distributed.get_rank()]
         return [p for group in owned for p in group["params"] if p.grad is not None]
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
@@ -369,6 +369,7 @@ class FairscaleFSDPStrategy(Strategy):
     def load_state(self, directory: Path) -> None:
         self.model.load_state_dict(torch.load(directory / "model.pt", weights_only=False))
         full = torch.load(directory / "optim.pt", weights_only=False)
+        assert self.optimizer is not None
         self.optimizer.load_state_dict(self.model.get_shard_from_optim_state_dict(full))
 
     def memory_footprint(self) -> dict[str, int]:

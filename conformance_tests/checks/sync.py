@@ -181,11 +181,11 @@ def check_same_sync(c: Checker, scenario: Scenario, result: StrategyResult) -> N
         if ga is None or gb is None:
             continue
         if ga != gb[: len(ga)]:
-            step = next((i for i, (x, y) in enumerate(zip(ga, gb)) if x != y), None)
+            differs = next((i for i, (x, y) in enumerate(zip(ga, gb)) if x != y), None)
             c.fail(
                 run_label("strategy", "main"),
                 f"gradient collectives per optimizer step on rank {r}",
-                step=step,
+                step=differs,
                 expected=gb[: len(ga)],
                 got=ga,
                 against=f"scenario {scenario.same_sync_as!r}",

@@ -96,9 +96,11 @@ def only_buffers(e: Evidence) -> Finding | None:
 
 def buffers_first(e: Evidence) -> Finding | None:
     """A buffer is the first quantity to differ (at a step no later than any other number's)."""
-    if "buffer" not in e.by_kind or e.by_kind["buffer"][0].step is None:
+    if "buffer" not in e.by_kind:
         return None
     d = e.by_kind["buffer"][0]
+    if d.step is None:
+        return None
     earliest = min((x.step for x in e.numeric if x.step is not None), default=math.inf)
     if e.numeric and d.step > earliest:
         return None
@@ -189,7 +191,7 @@ def clip_pattern(scenario: Scenario, d: Any, reference_steps: Sequence[dict[str,
 def optimizer_step(e: Evidence) -> Finding | None:
     """Loss and grad norm match up to step k-1, the loss differs at step k: the update was wrong."""
     d = _first_update(e)
-    if d is None:
+    if d is None or d.step is None:  # _first_update returns divergences with a step
         return None
     return (
         "optimizer",

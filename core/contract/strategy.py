@@ -50,7 +50,6 @@ to bottom, in the order above, and splitting it would scatter one reading.
 from __future__ import annotations
 
 import abc
-import functools
 import inspect
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -435,7 +434,12 @@ __all__ = [
 ]
 
 
-@functools.cache
-def _takes_set_to_none(optimizer_type: type) -> bool:
+_SET_TO_NONE: dict[Any, bool] = {}
+
+
+def _takes_set_to_none(optimizer_type: Any) -> bool:
     """Whether ``optimizer_type.zero_grad`` accepts ``set_to_none`` (read once per class, not per step)."""
-    return "set_to_none" in inspect.signature(optimizer_type.zero_grad).parameters
+    known = _SET_TO_NONE.get(optimizer_type)
+    if known is None:
+        known = _SET_TO_NONE[optimizer_type] = "set_to_none" in inspect.signature(optimizer_type.zero_grad).parameters
+    return known

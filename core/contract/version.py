@@ -77,7 +77,7 @@ def parse_version(version: str) -> tuple[int, ...]:
         raise PluginError(f"api_version {version!r} is not a version like {API_VERSION!r}") from None
 
 
-def target_version(cls: type) -> str:
+def target_version(cls: type[Any]) -> str:
     """The API version ``cls`` was written against: declared, or read from its ``setup`` signature."""
     from unison.contract.strategy import Strategy
 

@@ -88,7 +88,10 @@ class CheckpointManager:
     # -- policy ------------------------------------------------------------------ #
     def should_save(self, step: int) -> bool:
         """Whether the loop saves after ``step`` optimizer steps (``checkpoint_every_n_steps``)."""
-        return self.checkpointer is not None and bool(self._every_n_steps) and step % self._every_n_steps == 0
+        every = self._every_n_steps
+        if not every:
+            return False
+        return self.checkpointer is not None and step % every == 0
 
     def should_save_at_end(self, step: int) -> bool:
         """Whether ``fit`` saves after its last step: always with a checkpoint directory, unless ``step`` was

@@ -150,7 +150,10 @@ class Progress:
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Progress:
         return cls(
-            **{k: int(state.get(k, 0)) for k in ("global_step", "optimizer_steps", "scheduler_steps", "skipped_steps")}
+            global_step=int(state.get("global_step", 0)),
+            optimizer_steps=int(state.get("optimizer_steps", 0)),
+            scheduler_steps=int(state.get("scheduler_steps", 0)),
+            skipped_steps=int(state.get("skipped_steps", 0)),
         )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

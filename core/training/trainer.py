@@ -24,9 +24,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Never
+from typing import Any, Literal
 
 import torch
+from typing_extensions import Never  # typing.Never is 3.11+; unison supports 3.10
 
 from unison.checkpointing.checkpointer import Checkpointer
 from unison.checkpointing.resume import CkptPath
@@ -186,7 +187,9 @@ class Trainer:
         self.pm.check_pending()
         _, world_size, _ = world_from_env()
         start_here = check_nproc(self.settings.nproc)  # nproc > 1 and no launcher: start the workers below
-        world_size = self.settings.nproc if start_here else world_size
+        if start_here:
+            assert self.settings.nproc is not None  # check_nproc: nproc > 1
+            world_size = self.settings.nproc
         self.strategy: Strategy = build_strategy(self.settings, self.pm, world_size)
         if start_here:
             start_workers(world_size)  # checked for that world; exits with the job's code

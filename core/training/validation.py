@@ -59,7 +59,10 @@ class Validator:
 
     def should_validate(self, step: int) -> bool:
         """Whether the loop validates after ``step`` optimizer steps (``val_every_n_steps``)."""
-        return self._source is not None and bool(self._every_n_steps) and step % self._every_n_steps == 0
+        every = self._every_n_steps
+        if not every:
+            return False
+        return self._source is not None and step % every == 0
 
     def should_validate_at_end(self, step: int) -> bool:
         """Whether ``fit`` validates after its last step ``step``: always with a val_dataset, unless just done."""
@@ -80,10 +83,13 @@ class Validator:
             trainer.env,
         )
         assert env is not None and precision is not None and data is not None
-        source, collate, options = resolve_validation(dataset, None, s) if dataset is not None else self._source
+        resolved = resolve_validation(dataset, None, s) if dataset is not None else self._source
+        assert resolved is not None, "validate() needs a val_dataset (given to fit or here)"
+        source, collate, options = resolved
         step = trainer.progress.global_step
         trainer.pm.unison_on_validation_start(trainer=trainer, step=step)
         model = strategy.module
+        assert model is not None
         was_training = model.training
         model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=env.device)
@@ -97,6 +103,7 @@ class Validator:
                     loss = trainer.training_step(strategy.model, precision.convert_input(batch))
                 else:
                     inputs, targets = batch
+                    assert trainer.loss_fn is not None  # checked before the fit: one batch form or the other
                     loss = strategy.eval_loss(precision.convert_input(inputs), targets, trainer.loss_fn)
             total += torch.stack(
                 [loss.detach().double() * weight, torch.tensor(float(weight), dtype=torch.float64, device=total.device)]

@@ -102,7 +102,11 @@ def broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:
 
     tensors = [t.data for t in [*module.parameters(), *module.buffers()]]
     seen: set[int] = set()
-    unique = [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]  # tied weights once
+    unique = []
+    for t in tensors:  # tied weights once
+        if id(t) not in seen:
+            seen.add(id(t))
+            unique.append(t)
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in unique:
         by_dtype.setdefault((t.dtype, t.device), []).append(t)

@@ -10,7 +10,7 @@ import torch
 from unison.errors import ConfigurationError
 
 
-def _fused_adam_class() -> type | None:
+def _fused_adam_class() -> Any:
     """``apex.optimizers.FusedAdam`` if the user's code imported it (never imported here)."""
     module = sys.modules.get("apex.optimizers")
     return getattr(module, "FusedAdam", None) if module is not None else None

@@ -169,7 +169,7 @@ class DistributedFusedAdamStrategy(Strategy):
     # -- hot path ------------------------------------------------------------------ #
     def no_sync(self) -> AbstractContextManager[Any]:
         assert self.optimizer is not None
-        return self.optimizer.no_sync()  # type: ignore[attr-defined]  # DistributedFusedAdam's own
+        return self.optimizer.no_sync()  # DistributedFusedAdam's own
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         optimizer: Any = self.optimizer

@@ -182,7 +182,8 @@ def flatten(config: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[
         if isinstance(value, dict) and value:
             out.update(flatten(value, (*prefix, key)))
         else:
-            out[(*prefix, key)] = value
+            path = (*prefix, key)
+            out[path] = value
     return out
 
 

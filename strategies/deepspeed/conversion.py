@@ -138,6 +138,7 @@ class ZeroCanonicalState:
                 entry: dict[str, Any] = {}
                 for key, value in flat_state.items():
                     if torch.is_tensor(value) and value.dim() > 0:
+                        assert flat is not None  # a non-empty flat_state comes with its partition
                         if value.shape != flat.shape:
                             raise NotImplementedError(
                                 f"optimizer state {key!r} is not elementwise; only elementwise optimizer state "

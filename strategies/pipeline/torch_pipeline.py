@@ -352,6 +352,7 @@ class PipelineStrategy(StagedStrategy):
         """Mean of each stage's gradients over its data-parallel replicas (one flat all-reduce)."""
         if self.replicas == 1:
             return
+        assert self.module is not None
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         if not grads:
             return
