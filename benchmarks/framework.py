@@ -206,7 +206,7 @@ def sampler_cost(dataset_size: int = 1_281_167, steps: int = 200) -> dict[str, f
     pays it) and slices it afterwards; ``randperm_us`` is what one draw costs,
     which a plan drawing it every step would pay every step.
     """
-    from unison.data.loader import BatchPlan
+    from unison.data.plan import BatchPlan
 
     plan = BatchPlan(dataset_size, 256, 4, 2, 0, seed=0, shuffle=True)
     epoch = 3  # an epoch no earlier call has drawn

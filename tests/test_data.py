@@ -12,7 +12,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 import unison
 from unison.data.batch import batch_size, count_tokens, map_tensors, move_to_device, split_batch
-from unison.data.loader import local_slices, stream_global_batches
+from unison.data.plan import local_slices
+from unison.data.streams import stream_global_batches
 
 from data_worlds import NestedDataset, NestedStream, build_model, fit, nested_step
 from helpers import max_abs_diff, mlp, regression_data

@@ -50,7 +50,7 @@ _UNISON = tuple(
 
 #: Reads of tensors that live on the host by construction (never a device sync), by ``file:function``.
 HOST_ONLY = {
-    "loader.py:global_indices": "the sampler's index list, sliced from a CPU torch.randperm",
+    "plan.py:global_indices": "the sampler's index list, sliced from a CPU torch.randperm",
     "batch.py:count_tokens": "tokens of a collated batch, counted on the host before it moves to the device",
     "loop.py:agree_to_stop": "should_stop / stop-request flags: a CPU tensor on the gloo control group",
 }

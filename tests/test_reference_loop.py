@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import unison
-from unison.data.loader import BatchPlan
+from unison.data.plan import BatchPlan
 
 from helpers import max_abs_diff, mlp, regression_data, train
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unison.data.loader import BatchPlan, validation_batches
+from unison.data.plan import BatchPlan, validation_batches
 
 
 @settings(max_examples=60, deadline=None)

@@ -149,7 +149,7 @@ def upstream_sdp_loop(zero_grad_through: str, steps: int = 20, accumulate: int =
     sdp = ShardedDataParallel(model, optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
     # Same global batches as the trainer (shuffle=True): read them from a BatchPlan.
-    from unison.data.loader import BatchPlan
+    from unison.data.plan import BatchPlan
 
     plan = BatchPlan(
         dataset_size=len(x),

@@ -1,3 +1,10 @@
-"""The data path: the trainer-owned sampler and loader (:mod:`~unison.data.loader`) and batches
-of any structure (:mod:`~unison.data.batch`).
+"""The data path (:mod:`~unison.data.loader` describes it whole).
+
+* :mod:`~unison.data.plan` - which samples form optimizer step ``k`` (pure index arithmetic);
+* :mod:`~unison.data.sources` - map-style or iterable sources and the loader options;
+* :mod:`~unison.data.streams` - what the ``DataLoader`` runs (index-list sampler, stream cutter);
+* :mod:`~unison.data.loader` - :class:`~unison.data.loader.TrainData`, the one object the trainer asks for
+  step ``k``'s micro-batches, its resume position;
+* :mod:`~unison.data.validation` - validation batches with per-sample weights;
+* :mod:`~unison.data.batch` - batches of any structure (device moves, sizes, tokens).
 """

@@ -25,7 +25,8 @@ from unison.contract.ownership import Feature
 from unison.contract.settings import TrainerSettings
 from unison.contract.state import seed_everything
 from unison.contract.strategy import LossFn, Strategy, check_contract
-from unison.data.loader import TrainData, check_divisible
+from unison.data.loader import TrainData
+from unison.data.plan import check_divisible
 from unison.errors import ConfigurationError, DeclaredRefusal
 from unison.launch.lifecycle import collective_timeout_s
 from unison.launch.watchdog import check_stall_timeout

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from unison.contract.settings import TrainerSettings
-from unison.data.loader import is_map_style, resolve_source, validation_stream
+from unison.data.sources import is_map_style, resolve_source
+from unison.data.validation import validation_stream
 from unison.errors import ConfigurationError
 
 if TYPE_CHECKING:
