@@ -307,7 +307,7 @@ def test_explicit_storage_options_without_any_aws_variable(s3, monkeypatch):
     root, storage = open_storage(f"s3://{s3_server.BUCKET}/explicit", options)
     assert str(root) == f"s3://{s3_server.BUCKET}/explicit"
     checkpointer = Checkpointer(root, storage=storage)
-    checkpointer.claim(None)
+    checkpointer.admission.claim(None)
 
     def write(directory: Path) -> dict:
         (directory / "state").mkdir(parents=True)

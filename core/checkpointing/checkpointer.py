@@ -31,7 +31,7 @@ Rules (why each exists):
   ``weights_only=True`` (:mod:`unison.checkpointing.safe_io`).
 
 Template method: the public methods (:meth:`Checkpointer.save`,
-:meth:`Checkpointer.select`, :meth:`Checkpointer.claim`) hold these rules and
+:meth:`Checkpointer.select`, and :class:`~unison.checkpointing.admission.Admission`) hold these rules and
 never touch a file themselves; the ``_`` hooks and the :class:`LocalStorage`
 seam do the I/O, so an object-storage backend replaces those and inherits
 the rules unchanged.
@@ -39,10 +39,7 @@ the rules unchanged.
 
 from __future__ import annotations
 
-import errno
 import os
-import re
-import shutil
 import uuid
 import warnings
 from collections.abc import Callable
@@ -52,36 +49,28 @@ from typing import Any
 
 import torch
 
+from unison.checkpointing.admission import Admission
+from unison.checkpointing.failures import describe_failure, disk_full
 from unison.checkpointing.lease import Lease
 from unison.checkpointing.manifest import (
     MANIFEST,
-    RNG_DIR,
     TRAINER_STATE,
     CheckpointError,
     CorruptCheckpointError,
     Manifest,
     all_gather,
-    barrier,
     broadcast,
     hash_files,
     rank,
     utc_now,
     verify,
 )
+from unison.checkpointing.paths import LATEST, STEP_NAME, rng_file, same_dir, step_dir_name
 from unison.checkpointing.resume import CkptPath, ResumeKind, ResumeRequest
 from unison.checkpointing.safe_io import decode_rng, dumps, encode_rng, loads
-from unison.checkpointing.storage import LocalStorage, open_storage, split_url
-from unison.errors import ConfigurationError
-
-LATEST = "latest"
-#: ``step-00000010`` or, for a re-save of that step, ``step-00000010.1``.
-_NAME = re.compile(r"^step-(\d{8,})(?:\.(\d+))?$")
+from unison.checkpointing.storage import LocalStorage, open_storage
 
 __all__ = ["CheckpointError", "Checkpointer", "Committed", "CorruptCheckpointError", "step_dir_name"]
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 class CheckpointWarning(UserWarning):
@@ -116,9 +105,10 @@ class Checkpointer:
         #: this root (a save at that step again would only rewrite it).
         self.last_step: int | None = None
         #: The one-writer lease on the root (:mod:`unison.checkpointing.lease`); held by rank 0 between
-        #: :meth:`acquire` and :meth:`release`.
+        #: :meth:`Admission.acquire <unison.checkpointing.admission.Admission.acquire>` and ``release``.
         self.lease = Lease(self.storage, self.root)
-        self._lease_run: tuple[str, bool] | None = None
+        #: Who may write here: the pre-fit checks and the lease (:mod:`unison.checkpointing.admission`).
+        self.admission = Admission(self)
 
     # ======================================================================= #
     # Public: the rules
@@ -132,7 +122,7 @@ class Checkpointer:
         good, bad = [], []
         for name in self.storage.list_dir(self.root):
             path = self.root / name
-            if not _NAME.match(name) or not self.storage.exists(path / MANIFEST):
+            if not STEP_NAME.match(name) or not self.storage.exists(path / MANIFEST):
                 continue  # partial, foreign, or an older layout: never ours to touch
             try:
                 good.append(Committed(path, Manifest.read(self.storage, path)))
@@ -158,126 +148,6 @@ class Checkpointer:
         if not self.storage.exists(path / MANIFEST):
             raise FileNotFoundError(f"{path} is not a committed unison checkpoint (no {MANIFEST})")
         return path
-
-    def claim(self, ckpt_path: CkptPath) -> None:
-        """Refuse to start a run that would write into another run's checkpoints.
-
-        Called before any process group exists. ``"auto"`` and ``"last"`` take
-        the directory over as a resume of its run; a checkpoint inside the
-        root resumes that run too. Starting fresh (``None``), or from a
-        checkpoint elsewhere, into a root that holds committed checkpoints is
-        refused: its saves would replace and prune the other run's.
-        """
-        request = ResumeRequest.parse(ckpt_path)
-        if request.newest:
-            return
-        existing = self.committed()
-        if not existing:
-            return
-        if self._inside_root(request):
-            return
-        newest = existing[-1].path.name
-        asked = "starts fresh" if request.fresh else f"resumes from {request}, outside it,"
-        raise ConfigurationError(
-            "checkpoint_dir",
-            f"{self.root} already holds {len(existing)} committed checkpoint(s) of another run (newest {newest}) "
-            f"and this run {asked} so its saves would replace or prune them",
-            "resume that run with ckpt_path='auto' (`unison train --resume auto`), or give this run its own "
-            "checkpoint_dir, or delete the old checkpoints",
-        )
-
-    def preflight(self, ckpt_path: CkptPath, max_steps: int | None) -> None:
-        """Checks a run makes before any process group exists (on every rank, local reads only).
-
-        * the root can be created and written (a probe file is written and
-          removed), so an unwritable ``checkpoint_dir`` fails now, not at the
-          first save after training;
-        * ``"last"`` needs a committed checkpoint (``"auto"`` is the form that
-          starts fresh when there is none);
-        * the checkpoint a run would resume from must not lie beyond
-          ``max_steps`` (its manifest's step; verification comes later, on load).
-        """
-        request = ResumeRequest.parse(ckpt_path)
-        self.storage.check(self.root)  # object storage: refused credentials, no bucket, no endpoint, named
-        run, own_run = self._lease_run = self._lease_identity(request)
-        probe = self.root / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        try:
-            # (reading the lease makes its guard file: a root that cannot be a directory fails here, as unwritable)
-            if self.lease.refuse_if_held(run if own_run else None):
-                # Nobody live writes here, so what interrupted saves left is garbage: removed *before* the
-                # probe, or a disk that a crashed save filled would refuse the very resume that cleans it.
-                self._clean_partials()
-            self.storage.make_dir(self.root)
-            try:
-                self.storage.write_text(probe, "probe", sync=False)
-            finally:
-                self.storage.remove_file(probe)  # also when the write failed half-way
-        except OSError as exc:
-            raise ConfigurationError(
-                "checkpoint_dir",
-                f"{self.root} cannot be written ({type(exc).__name__}: {exc})",
-                "choose a directory this process can create and write",
-            ) from exc
-        if request.fresh:
-            return
-        readable = [c for c in self.committed() if c.manifest is not None]
-        if request.kind is ResumeKind.LAST and not readable:
-            raise ConfigurationError(
-                "ckpt_path",
-                f"'last' but {self.root} holds no committed checkpoint",
-                "use ckpt_path='auto' (`--resume auto`), which starts fresh when there is none",
-            )
-        if request.newest:
-            resume_step = readable[-1].manifest.step if readable else None  # type: ignore[union-attr]
-        else:
-            resume_step = resume_point(request.local_path, self.storage)
-        check_resume_step(resume_step, max_steps)
-
-    def acquire(self, ckpt_path: CkptPath) -> None:
-        """Take the one-writer lease on the root (collective: every rank, right after the process group is up).
-
-        Rank 0 takes it (:meth:`unison.checkpointing.lease.Lease.acquire`) and broadcasts
-        the outcome, so a refusal (another live job writes here) is the same
-        :class:`ConfigurationError` on every rank at once; see
-        :mod:`unison.checkpointing.lease` for why it is taken here.
-        """
-        run, own_run = self._lease_run or self._lease_identity(ResumeRequest.parse(ckpt_path))
-        outcome: tuple[str, ...] = ("ok",)
-        # Every rank has read the lease in preflight before rank 0 takes it. Without this, a process group
-        # that already existed before fit (the conformance suite's world, a user's own init) lets a slower
-        # rank read the lease rank 0 just took for this very job and refuse alone, leaving the ranks
-        # in different collectives.
-        barrier()
-        if rank() == 0:
-            try:
-                self.lease.acquire(run, own_run=own_run)
-            except ConfigurationError as exc:
-                outcome = ("refused", exc.option, exc.problem, exc.fix)
-            except Exception as exc:
-                outcome = ("error", f"{type(exc).__name__}: {exc}")
-        outcome = broadcast(outcome)
-        if outcome[0] == "refused":
-            raise ConfigurationError(*outcome[1:])
-        if outcome[0] == "error":
-            raise CheckpointError(f"cannot take the lease on {self.root}: {outcome[1]}")
-        if not own_run:
-            self.run_id = run  # a fresh run: its commits carry the id its lease names
-
-    def release(self) -> None:
-        """Give the lease back (rank 0; a no-op elsewhere and when not held)."""
-        self.lease.release()
-
-    def _inside_root(self, request: ResumeRequest) -> bool:
-        """A checkpoint path inside this root: its run is the root's own."""
-        return request.kind is ResumeKind.PATH and _same_dir(request.local_path.parent, self.root)
-
-    def _lease_identity(self, request: ResumeRequest) -> tuple[str, bool]:
-        """``(run, resumes_it)``: the run of the newest commit when this run continues the root's, else a new id."""
-        if request.newest or self._inside_root(request):
-            readable = [c for c in self.committed() if c.manifest is not None]
-            if readable:
-                return readable[-1].manifest.run, True  # type: ignore[union-attr]
-        return uuid.uuid4().hex[:16], False
 
     def select(self, ckpt_path: CkptPath) -> Committed | None:
         """The checkpoint to resume from, verified (collective: call on every rank).
@@ -306,7 +176,7 @@ class Checkpointer:
                 self._warn(f"skipping {c.path}: {c.problem}")
             if auto and not candidates and not unreadable:
                 if rank() == 0:
-                    self._clean_partials()
+                    self.clean_partials()
                 return None
         else:
             candidates = [self.resolve(request)]
@@ -320,11 +190,11 @@ class Checkpointer:
                 failures.append(str(exc))
                 self._warn(f"{exc}; falling back to the previous committed checkpoint")
                 continue
-            if _same_dir(path.parent, self.root):
+            if same_dir(path.parent, self.root):
                 self.run_id = manifest.run  # continuing this directory's run
                 self.last_step = manifest.step
                 if rank() == 0:
-                    self._clean_partials()
+                    self.clean_partials()
             return Committed(path, manifest)
         reasons = "; ".join(failures) or "all manifests unreadable"
         raise CheckpointError(
@@ -350,7 +220,7 @@ class Checkpointer:
         except BaseException as exc:  # torch's DCP CheckpointException is a BaseException
             failure = exc
         # Every rank's outcome (this doubles as the barrier: every rank's files are on disk).
-        failed = [f for f in all_gather(None if failure is None else _describe(failure)) if f is not None]
+        failed = [f for f in all_gather(None if failure is None else describe_failure(failure)) if f is not None]
         if failed:
             message = self._on_rank_zero(lambda: self._abandon(partial, step, failure, failed), "clean up")
             if failure is not None and not message.startswith("ENOSPC"):
@@ -363,7 +233,7 @@ class Checkpointer:
             try:
                 self.storage.write_text(partial / MANIFEST, self._manifest(step, files, description).to_json())
             except Exception as exc:
-                raise CheckpointError(self._abandon(partial, step, exc, [_describe(exc)])) from exc
+                raise CheckpointError(self._abandon(partial, step, exc, [describe_failure(exc)])) from exc
             return self._publish(partial, step)
 
         final = self.root / self._on_rank_zero(commit, "commit the checkpoint")
@@ -410,11 +280,11 @@ class Checkpointer:
         return loads(self.storage.read_bytes(path / TRAINER_STATE), str(path / TRAINER_STATE))
 
     def write_rng(self, directory: Path, rank_: int, state: dict[str, Any]) -> None:
-        self.storage.write_bytes(_rng_file(directory, rank_), dumps(encode_rng(state), "the RNG state"), sync=False)
+        self.storage.write_bytes(rng_file(directory, rank_), dumps(encode_rng(state), "the RNG state"), sync=False)
 
     def read_rng(self, path: Path, rank_: int) -> dict[str, Any] | None:
         """This rank's RNG state, or ``None`` when the checkpoint has none for it (another world size)."""
-        file = _rng_file(path, rank_)
+        file = rng_file(path, rank_)
         if not self.storage.exists(file):
             return None
         return decode_rng(loads(self.storage.read_bytes(file), str(file)))
@@ -425,10 +295,10 @@ class Checkpointer:
     def _begin(self, partial: Path, step: int) -> None:
         try:
             self.storage.make_dir(self.root)
-            self._clean_partials()  # leftovers of interrupted saves: never committed, and this run holds the lease
+            self.clean_partials()  # leftovers of interrupted saves: never committed, and this run holds the lease
             self.storage.make_dir(partial)
         except OSError as exc:
-            raise CheckpointError(self._abandon(partial, step, exc, [_describe(exc)])) from exc
+            raise CheckpointError(self._abandon(partial, step, exc, [describe_failure(exc)])) from exc
 
     def _abandon(self, partial: Path, step: int, error: BaseException | None, failed: list[str]) -> str:
         """Remove a failed save's partial directory (rank 0) and say why it failed, in one message.
@@ -439,7 +309,7 @@ class Checkpointer:
         touched.
         """
         written = self._bytes_under(partial)
-        full = _disk_full(self.root, error)  # judged before the partial files give their space back
+        full = disk_full(self.root, error)  # judged before the partial files give their space back
         self._remove(partial)
         newest = next((c for c in reversed(self.committed()) if c.manifest is not None), None)
         kept = f"the last committed checkpoint {newest.path.name} is untouched" if newest else "nothing was committed"
@@ -481,7 +351,7 @@ class Checkpointer:
     def _remove(self, path: Path) -> None:
         self.storage.remove_tree(path)
 
-    def _clean_partials(self) -> None:
+    def clean_partials(self) -> None:
         """Remove what interrupted saves left: ``.partial`` directories and unfinished object-storage commits."""
         for name in self.storage.list_dir(self.root):
             if name.startswith(".") and name.endswith(".partial"):
@@ -531,77 +401,6 @@ class Checkpointer:
     def _warn(self, message: str) -> None:
         if rank() == 0:
             warnings.warn(message, CheckpointWarning, stacklevel=3)
-
-
-def resume_point(ckpt_path: str | os.PathLike[str], storage: LocalStorage | None = None) -> int:
-    """The step a checkpoint path resumes at, from its manifest; a ConfigurationError when it is no checkpoint.
-
-    Read before any process group exists; the files are verified on load.
-    """
-    path = Path(ckpt_path)
-    if storage is None:
-        path, storage = open_storage(ckpt_path)  # a URL (s3://...) is read from its object storage
-    if not storage.exists(path / MANIFEST):
-        what = "does not exist" if not storage.exists(path) else f"is not a committed unison checkpoint (no {MANIFEST})"
-        raise ConfigurationError(
-            "ckpt_path",
-            f"{path} {what}",
-            "pass a committed step-NNNNNNNN directory (see `unison checkpoint inspect DIR`), or 'auto'",
-        )
-    try:
-        return Manifest.read(storage, path).step
-    except CheckpointError as exc:
-        raise ConfigurationError("ckpt_path", f"{path}: {exc}", "pass another committed checkpoint, or 'auto'") from exc
-
-
-def check_resume_step(resume_step: int | None, max_steps: int | None) -> None:
-    """A run resumed at ``resume_step`` must have steps left (``max_steps`` at or beyond it)."""
-    if resume_step is not None and max_steps is not None and resume_step > max_steps:
-        raise ConfigurationError(
-            "max_steps",
-            f"the checkpoint resumes at step {resume_step}, beyond max_steps={max_steps}",
-            f"set max_steps to at least {resume_step}, or start without ckpt_path",
-        )
-
-
-def _describe(exc: BaseException) -> str:
-    return f"rank {rank()}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-
-
-def _disk_full(root: Path, error: BaseException | None) -> int | None:
-    """Free bytes on ``root``'s file system when ``error`` means it is full (ENOSPC, or nearly no space left).
-
-    Writers do not all say ENOSPC (torch's zip writer raises ``unexpected
-    pos``), so a failed write on a file system with less than 1 MiB (or 1 %)
-    free counts as a full disk too. ``None``: not a full local disk.
-    """
-    if split_url(root) is not None:
-        return None  # object storage: no local file system to judge (its staging errors name themselves)
-    seen, enospc = error, False
-    while seen is not None:
-        enospc = enospc or getattr(seen, "errno", None) == errno.ENOSPC
-        seen = seen.__cause__ or seen.__context__
-    path = root
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        usage = shutil.disk_usage(path)
-    except OSError:
-        return None
-    if enospc or usage.free < max(1 << 20, usage.total // 100):
-        return usage.free
-    return None
-
-
-def _rng_file(directory: Path, rank_: int) -> Path:
-    return directory / RNG_DIR / f"rank-{rank_:05d}.pt"
-
-
-def _same_dir(a: Path, b: Path) -> bool:
-    try:
-        return a.resolve() == b.resolve()
-    except OSError:
-        return False
 
 
 def _unison_version() -> str:

@@ -74,8 +74,8 @@ def checkpoint() -> None:
 @click.argument("location", metavar="PATH")
 def inspect(location: str) -> None:
     """Show what wrote the checkpoint(s) at PATH, oldest commit first (reads manifests only)."""
-    from unison.checkpointing.checkpointer import LATEST
     from unison.checkpointing.manifest import CheckpointError, Manifest
+    from unison.checkpointing.paths import LATEST
 
     path, storage = _open(location)
     targets, is_root = _targets(path, storage)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unison.checkpointing.checkpointer import check_resume_step, resume_point
+from unison.checkpointing.admission import check_resume_step, resume_point
 from unison.checkpointing.resume import CkptPath, ResumeRequest
 from unison.contract.env import resolve_accelerator
 from unison.contract.ownership import Feature
@@ -320,8 +320,9 @@ def prepare_checkpoints(trainer: Trainer, resume: ResumeRequest, world_size: int
     s = trainer.settings
     runs.prepare(trainer, resume, world_size)
     if trainer.checkpointer is not None:
-        trainer.checkpointer.preflight(resume, s.max_steps)  # writable; the resume point exists, within max_steps
-        trainer.checkpointer.claim(resume)  # never write into another run's checkpoints
+        # writable; the resume point exists, within max_steps
+        trainer.checkpointer.admission.preflight(resume, s.max_steps)
+        trainer.checkpointer.admission.claim(resume)  # never write into another run's checkpoints
     elif resume.path is not None:
         check_resume_step(resume_point(resume.path), s.max_steps)
 

@@ -49,7 +49,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from unison.checkpointing.checkpointer import Checkpointer, resume_point
+from unison.checkpointing.admission import resume_point
+from unison.checkpointing.checkpointer import Checkpointer
 from unison.checkpointing.resume import CkptPath, ResumeKind, ResumeRequest
 from unison.checkpointing.storage import split_url
 from unison.errors import ConfigurationError
@@ -228,7 +229,7 @@ def choose_for_workers(settings: Any, ckpt_path: CkptPath) -> None:
     every restart of the job, writes to the same directory.
     """
     if settings.checkpoint_dir is not None:
-        Checkpointer(settings.checkpoint_dir).claim(ckpt_path)
+        Checkpointer(settings.checkpoint_dir).admission.claim(ckpt_path)
     if settings.root_dir is not None:
         path = plan_run(settings.root_dir, ckpt_path, settings.checkpoint_dir is None)
         os.environ[RUN_DIR_ENV] = str(path or new_version(check_root(settings.root_dir).absolute()))

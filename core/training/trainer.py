@@ -360,7 +360,7 @@ class Trainer:
                 if self.checkpointer is not None:
                     # One writer per checkpoint directory: rank 0 takes the lease, every rank hears the
                     # outcome before any setup or step (unison.checkpointing.lease says why here and not earlier).
-                    self.checkpointer.acquire(inputs.resume)
+                    self.checkpointer.admission.acquire(inputs.resume)
                 self._fit(inputs, optimizer, lr_scheduler)
         except BaseException as exc:
             if isinstance(exc, KeyboardInterrupt) and self.checkpointer is not None and self.is_global_zero:
@@ -375,7 +375,7 @@ class Trainer:
             raise
         finally:
             if self.checkpointer is not None:
-                self.checkpointer.release()
+                self.checkpointer.admission.release()
             inputs.data.close()
             self.strategy.teardown()
             if self._world is not None and self._world.owns_process_group:
