@@ -46,108 +46,22 @@ Configuration is s3fs's and botocore's own: ``AWS_ACCESS_KEY_ID``,
 from __future__ import annotations
 
 import contextlib
-import errno
-import functools
 import hashlib
 import os
 import shutil
 import tempfile
-import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from unison.checkpointing.storage import _CHUNK, _URL, LocalStorage, StorageUnavailableError, split_url
+from unison.checkpointing.retry import first_line, precondition_failed, retried
+from unison.checkpointing.storage import CHUNK, URL, LocalStorage, split_url
 from unison.errors import ConfigurationError
 
 #: The manifest's file name (kept here too: unison.checkpointing.manifest imports this package's seam).
 _MANIFEST = "manifest.json"
-#: Seconds unison keeps retrying an object-storage call that failed for a transient reason
-#: (``UNISON_STORAGE_RETRY_S`` overrides); the wait doubles from 0.5 s up to 8 s between tries.
-DEFAULT_RETRY_S = 60.0
-
-
-def retry_budget() -> float:
-    return float(os.environ.get("UNISON_STORAGE_RETRY_S", DEFAULT_RETRY_S))
-
-
-def _transient(exc: BaseException) -> bool:
-    """An error a later try may not see: the endpoint unreachable, a dropped connection, a timeout, a 5xx."""
-    import botocore.exceptions
-
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, (FileNotFoundError, PermissionError, FileExistsError, StorageUnavailableError)):
-            return False
-        if isinstance(seen, (botocore.exceptions.ConnectionError, botocore.exceptions.HTTPClientError, TimeoutError)):
-            return True
-        if isinstance(seen, ConnectionError) or getattr(seen, "errno", None) in _NET_ERRNOS:
-            return True
-        if type(seen).__module__.startswith("aiohttp"):
-            return True
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict) and response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500:
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-_NET_ERRNOS = {errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EPIPE, errno.EHOSTUNREACH}
-
-
-def _precondition_failed(exc: BaseException) -> bool:
-    """A conditional write or delete the server refused because the object is not at the version named."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412):
-                return True
-        if "pre-condition" in str(seen).lower() or "precondition" in str(seen).lower():
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _retried(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Retry a storage method on transient errors with bounded backoff, then fail with one clear message.
-
-    Every retry is counted in :attr:`FsspecStorage.retries` (the trainer logs
-    it as ``checkpoint/storage_retries``). The final error names the object,
-    the endpoint, the tries and the last cause, without botocore's traceback.
-    """
-
-    def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def wrapper(self: FsspecStorage, target: Any, *args: Any, **kwargs: Any) -> Any:
-            budget, start, delay, tries = retry_budget(), time.monotonic(), 0.5, 0
-            while True:
-                tries += 1
-                try:
-                    return method(self, target, *args, **kwargs)
-                except Exception as exc:
-                    if not _transient(exc):
-                        raise
-                    waited = time.monotonic() - start
-                    if waited + delay > budget:
-                        where = target if isinstance(target, Path) else f"{self.scheme}://{target}"
-                        raise StorageUnavailableError(
-                            f"object storage at {self.endpoint} failed to {what} {where}: {tries} tries over "
-                            f"{waited:.0f} s (UNISON_STORAGE_RETRY_S={budget:g}); last error: "
-                            f"{type(exc).__name__}: {_first_line(exc)}. The last committed checkpoint is "
-                            "untouched; once the store answers, restart with --resume auto (ckpt_path='auto')"
-                        ) from None
-                    self.retries += 1
-                    time.sleep(delay)
-                    delay = min(delay * 2, 8.0)
-
-        return wrapper
-
-    return decorate
 
 
 class RemotePath(type(Path())):  # type: ignore[misc]  # the concrete Path class of this platform
@@ -160,7 +74,7 @@ class RemotePath(type(Path())):  # type: ignore[misc]  # the concrete Path class
 
     def __str__(self) -> str:
         text = super().__str__()
-        match = _URL.match(text)
+        match = URL.match(text)
         return f"{match.group(1)}://{match.group(2)}" if match else text
 
 
@@ -229,7 +143,7 @@ class FsspecStorage(LocalStorage):
             self.fs.rm_file(probe)
         except PermissionError as exc:
             raise ConfigurationError(
-                self.option, f"the object store refused access to {url}: {_first_line(exc)}", fix_credentials
+                self.option, f"the object store refused access to {url}: {first_line(exc)}", fix_credentials
             ) from None
         except FileNotFoundError:
             raise ConfigurationError(
@@ -238,12 +152,12 @@ class FsspecStorage(LocalStorage):
         except Exception as exc:  # connection refused, DNS, TLS...: botocore's many error types
             raise ConfigurationError(
                 self.option,
-                f"cannot use {url}: {type(exc).__name__}: {_first_line(exc)}",
+                f"cannot use {url}: {type(exc).__name__}: {first_line(exc)}",
                 "check AWS_ENDPOINT_URL (or the endpoint_url storage option) and the network; " + fix_credentials,
             ) from None
 
     # -- queries ------------------------------------------------------------ #
-    @_retried("look up")
+    @retried("look up")
     def exists(self, path: Path) -> bool:
         """An object, or a prefix with an object under it (S3's meaning; some servers keep empty directories)."""
         key = self._key(path)
@@ -254,12 +168,12 @@ class FsspecStorage(LocalStorage):
         # find() answers an empty prefix with its own directory entry on such servers: count objects only.
         return any(info.get("type") != "directory" for info in self.fs.find(key, detail=True).values())
 
-    @_retried("look up")
+    @retried("look up")
     def is_dir(self, path: Path) -> bool:
         key = self._key(path)
         return super().is_dir(path) if key is None else self.fs.isdir(key)
 
-    @_retried("list")
+    @retried("list")
     def list_dir(self, path: Path) -> list[str]:
         key = self._key(path)
         if key is None:
@@ -270,19 +184,19 @@ class FsspecStorage(LocalStorage):
             return []
         return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in entries if e.rstrip("/") != key})
 
-    @_retried("list")
+    @retried("list")
     def list_files(self, path: Path) -> list[str]:
         key = self._key(path)
         if key is None:
             return super().list_files(path)
         return sorted(f[len(key) + 1 :] for f in self.fs.find(key))
 
-    @_retried("stat")
+    @retried("stat")
     def size(self, path: Path) -> int:
         key = self._key(path)
         return super().size(path) if key is None else int(self.fs.info(key)["size"])
 
-    @_retried("read")
+    @retried("read")
     def digest(self, path: Path, *, sync: bool = False) -> tuple[int, str]:
         key = self._key(path)
         if key is None:
@@ -290,8 +204,8 @@ class FsspecStorage(LocalStorage):
         if any(part.endswith(".partial") for part in Path(key).parts):
             # A save in progress: hash the stored bytes as they stream past (nothing kept).
             h, size = hashlib.sha256(), 0
-            with self.fs.open(key, "rb", block_size=_CHUNK, cache_type="none") as f:
-                while chunk := f.read(_CHUNK):
+            with self.fs.open(key, "rb", block_size=CHUNK, cache_type="none") as f:
+                while chunk := f.read(CHUNK):
                     h.update(chunk)
                     size += len(chunk)
             return size, h.hexdigest()
@@ -305,7 +219,7 @@ class FsspecStorage(LocalStorage):
     def read_text(self, path: Path) -> str:
         return self.read_bytes(path).decode()
 
-    @_retried("read")
+    @retried("read")
     def read_bytes(self, path: Path) -> bytes:
         key = self._key(path)
         return super().read_bytes(path) if key is None else self.fs.cat_file(key)
@@ -316,7 +230,7 @@ class FsspecStorage(LocalStorage):
             super().make_dir(path)
         # Object stores have no directories: a prefix exists once an object is under it.
 
-    @_retried("write")
+    @retried("write")
     def write_bytes(self, path: Path, data: bytes, *, sync: bool = True) -> None:
         key = self._key(path)
         if key is None:
@@ -324,7 +238,7 @@ class FsspecStorage(LocalStorage):
         else:
             self.fs.pipe_file(key, data)  # durable once the PUT returns
 
-    @_retried("write")
+    @retried("write")
     def replace_file(self, path: Path, text: str) -> None:
         key = self._key(path)
         if key is None:
@@ -358,11 +272,11 @@ class FsspecStorage(LocalStorage):
         names = [n for n in self.list_dir(root) if n.startswith("step-")]
         return [n for n in names if not self.exists(root / n / _MANIFEST) and self.exists(root / n)]
 
-    @_retried("copy")
+    @retried("copy")
     def _copy_object(self, src: str, dst: str) -> None:
         self.fs.copy(src, dst)  # server-side copy
 
-    @_retried("delete")
+    @retried("delete")
     def remove_file(self, path: Path) -> None:
         key = self._key(path)
         if key is None:
@@ -370,7 +284,7 @@ class FsspecStorage(LocalStorage):
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(key)
 
-    @_retried("delete")
+    @retried("delete")
     def remove_tree(self, path: Path) -> None:
         key = self._key(path)
         if key is None:
@@ -379,7 +293,7 @@ class FsspecStorage(LocalStorage):
             self.fs.rm(key, recursive=True)
 
     # -- conditional writes (the lease): the version is the object's ETag -- #
-    @_retried("read")
+    @retried("read")
     def read_versioned(self, path: Path) -> tuple[bytes, str] | None:
         key = self._key(path)
         if key is None:
@@ -392,7 +306,7 @@ class FsspecStorage(LocalStorage):
         # The ETag read with the bytes: a write between the two makes the next conditional write fail, as it should.
         return data, str(info.get("ETag") or info.get("etag"))
 
-    @_retried("write")
+    @retried("write")
     def write_if(self, path: Path, data: bytes, version: str | None) -> str | None:
         """A PUT with ``If-None-Match: "*"`` (create) or ``If-Match: version``; the new ETag, ``None`` if refused."""
         key = self._key(path)
@@ -404,13 +318,13 @@ class FsspecStorage(LocalStorage):
             else:
                 out = self.fs.pipe_file(key, data, IfMatch=version)
         except OSError as exc:
-            if _precondition_failed(exc):
+            if precondition_failed(exc):
                 return None
             raise
         etag = out.get("ETag") if isinstance(out, dict) else None
         return str(etag or self.fs.info(key).get("ETag"))
 
-    @_retried("delete")
+    @retried("delete")
     def delete_if(self, path: Path, version: str) -> bool:
         key = self._key(path)
         if key is None:
@@ -421,7 +335,7 @@ class FsspecStorage(LocalStorage):
         except FileNotFoundError:
             return False
         except OSError as exc:
-            if _precondition_failed(exc):
+            if precondition_failed(exc):
                 return False
             raise
         return True
@@ -446,7 +360,7 @@ class FsspecStorage(LocalStorage):
         finally:
             shutil.rmtree(local, ignore_errors=True)
 
-    @_retried("upload to")
+    @retried("upload to")
     def upload(self, local: Path, path: Path, names: list[str]) -> None:
         """Copy the files ``names`` (relative POSIX paths) of local directory ``local`` to ``path/name``."""
         key = self._key(path)
@@ -473,7 +387,7 @@ class FsspecStorage(LocalStorage):
         local_root.mkdir(parents=True, exist_ok=True)
         return local_root
 
-    @_retried("download")
+    @retried("download")
     def _fetch(self, key: str, info: dict[str, Any] | None = None) -> str:
         """The local cache file holding object ``key``, downloaded unless cached at its current ETag."""
         info = info or self.fs.info(key)
@@ -486,8 +400,3 @@ class FsspecStorage(LocalStorage):
             os.replace(tmp, local)
             self._cached[str(local)] = etag
         return str(local)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0]

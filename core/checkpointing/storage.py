@@ -44,7 +44,8 @@ class StorageUnavailableError(UnisonError):
 
 
 #: Bytes read at a time while hashing: large enough to keep sha256 busy.
-_CHUNK = 1 << 20
+#: Bytes read at a time when hashing or copying a file.
+CHUNK = 1 << 20
 
 
 class LocalStorage:
@@ -84,7 +85,7 @@ class LocalStorage:
         h = hashlib.sha256()
         size = 0
         with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
+            while chunk := f.read(CHUNK):
                 h.update(chunk)
                 size += len(chunk)
             if sync:
@@ -223,7 +224,8 @@ class LocalStorage:
 # --------------------------------------------------------------------------- #
 #: ``scheme://rest``; also the ``scheme:/rest`` that ``Path("s3://b/k")`` collapses
 #: it to. Two letters at least, so a Windows drive (``C:/``) is never a scheme.
-_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/+(.*)$")
+#: ``scheme://rest``: a location another storage backend serves.
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/+(.*)$")
 #: What a storage plugin registers per URL scheme (hook ``unison_storage_backends``):
 #: ``factory(location, storage_options, option) -> (root, storage)``. ``location`` is the whole URL,
 #: ``storage_options`` the user's backend options, ``option`` the setting errors name.
@@ -232,7 +234,7 @@ StorageFactory = Callable[[str, dict[str, Any], str], tuple[Path, LocalStorage]]
 
 def split_url(location: str | os.PathLike[str]) -> tuple[str, str] | None:
     """``(scheme, "bucket/key")`` for a URL (either spelling), ``None`` for a plain path."""
-    match = _URL.match(str(location))
+    match = URL.match(str(location))
     return (match.group(1).lower(), match.group(2).rstrip("/")) if match else None
 
 
