@@ -1,5 +1,9 @@
 """Every hook unison calls, in one place, grouped by phase.
 
+One file on purpose, past the project's 400 lines: a plugin author reads every hook and its
+conventions here, top to bottom (each docstring says who calls it, when, on which ranks and what a
+return value means).
+
 Conventions (shared by all hooks below):
 
 * Hooks are called through :class:`unison.plugin.manager.PluginManager`; a plugin
