@@ -39,6 +39,10 @@ FULL_TIER = {
     "test_conformance.py": "the suite on the test and example strategies, every scenario",
     "test_multinode.py": "two torchrun agents as two nodes",
     "test_multinode_cluster.py": "two torchrun agents per cluster environment",
+    "test_lifecycle.py": "fault injection: worker restarts in a row, preemption signals, rendezvous timeouts",
+    "test_watchdog.py": "fault injection: frozen and stopped ranks, waiting out stall timeouts by design",
+    "test_s3_run_directories.py": "fault injection: object-storage uploads that fail and are retried",
+    "test_storage_outage.py": "fault injection: an S3 server stopped mid-save, retried within its budget",
 }
 
 
