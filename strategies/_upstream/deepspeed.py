@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from unison.strategies._upstream import warn_if_unverified
+from unison._upstream import warn_if_unverified
 
 VERIFIED_VERSION = "0.19.8"
 

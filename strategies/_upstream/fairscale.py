@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from unison.strategies._upstream import warn_if_unverified
+from unison._upstream import warn_if_unverified
 
 VERIFIED_VERSION = "0.4.13"
 

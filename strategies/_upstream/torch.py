@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from unison.strategies._upstream import warn_if_unverified
+from unison._upstream import warn_if_unverified
 
 VERIFIED_VERSION = "2.13.0"
 
