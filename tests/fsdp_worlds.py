@@ -32,6 +32,23 @@ class TiedMLP(torch.nn.Module):
         return self.head(torch.tanh(self.out(h)))
 
 
+class AttentionNet(torch.nn.Module):
+    """Each 8-feature sample as 2 tokens of 4 through an ``nn.MultiheadAttention`` (reads ``out_proj.weight``)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Linear(4, 8)
+        # No in-projection bias: the key bias has a zero gradient in exact arithmetic, which AdamW
+        # turns into lr-sized steps driven by rounding noise (a numerics artefact, not a sharding one).
+        self.attn = torch.nn.MultiheadAttention(8, 2, bias=False, batch_first=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.view(x.shape[0], 2, 4))
+        return self.head(self.attn(h, h, h, need_weights=False)[0].mean(1))
+
+
 def wide_mlp(d: int = 32, hidden: int = 1024) -> torch.nn.Module:
     """About 1.09M parameters (the memory-footprint model)."""
     torch.manual_seed(0)
@@ -150,6 +167,9 @@ def fsdp_scenarios(strategy: str, ckpt_root: str) -> dict[str, Any]:
     out["tied"] = train(strategy, model=TiedMLP(), max_steps=10)
     # ... and under the bf16 policy, where the fp32 buffer meets bf16 activations.
     out["tied-bf16"] = train(strategy, model=TiedMLP(), max_steps=10, precision="bf16-mixed", record=False)
+
+    # nn.MultiheadAttention under the default unit selection (out_proj stays with the attention unit).
+    out["attention"] = train(strategy, model=AttentionNet(), max_steps=10, record=False)
 
     # Save at step 10, resume to 20 (sharded DCP), against uninterrupted fp32.
     own = f"{ckpt_root}/{strategy}"

@@ -15,7 +15,7 @@ import unison
 from unison.contract.ownership import PrecisionOwner, StateDictKind
 from unison.launch.torchrun import spawn
 
-from fsdp_worlds import TiedMLP, fsdp_scenarios, overflow_data
+from fsdp_worlds import AttentionNet, TiedMLP, fsdp_scenarios, overflow_data
 from helpers import max_abs_diff, mlp, regression_data, train
 
 pytestmark = pytest.mark.distributed
@@ -38,6 +38,7 @@ def reference() -> dict:
         "tied": train("single", model=TiedMLP(), max_steps=10),
         "bf16-true": train("single", precision="bf16-true"),
         "tied-bf16": train("single", model=TiedMLP(), max_steps=10, precision="bf16-mixed"),
+        "attention": train("single", model=AttentionNet(), max_steps=10, record=False),
     }
 
 
@@ -129,6 +130,14 @@ def test_tied_weights_and_buffers(world, reference):
         assert max_abs_diff(rank["tied"]["state"], reference["tied"]["state"]) <= FP32_TOL
         # measured 4.5e-4 (fsdp) and 3.6e-4 (fsdp1)
         assert max_abs_diff(rank["tied-bf16"]["state"], reference["tied-bf16"]["state"]) <= BF16_TOL
+
+
+def test_multihead_attention_under_the_default_units_trains_like_single(world, reference):
+    # nn.MultiheadAttention reads out_proj.weight without calling out_proj: sharded as its own
+    # unit, the weight would still be sharded when attention runs (a DTensor/Tensor mix error).
+    strategy, _, results = world
+    for r in results:
+        assert max_abs_diff(r["attention"]["state"], reference["attention"]["state"]) < FP32_TOL
 
 
 def test_resume_equals_uninterrupted(world):

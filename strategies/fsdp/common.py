@@ -40,8 +40,17 @@ class FSDPOptions(pydantic.BaseModel):
 # --------------------------------------------------------------------------- #
 
 
+#: Module types whose forward reads their children's parameters directly (see :func:`shard_units`).
+_READS_CHILD_PARAMETERS: tuple[type[torch.nn.Module], ...] = (torch.nn.MultiheadAttention,)
+
+
 def shard_units(model: torch.nn.Module, classes: list[str] | None) -> list[tuple[str, torch.nn.Module]]:
     """The submodules to shard individually, in ``named_modules`` (pre-)order.
+
+    Default (``classes`` unset): every submodule that directly owns parameters
+    not shared outside it, except the children of an ``nn.MultiheadAttention``
+    (its forward reads ``out_proj.weight`` without calling ``out_proj``, so the
+    projection is sharded with the attention module).
 
     Raises :class:`ConfigurationError` when an explicitly named class matches
     nothing or a matched module shares parameters with the rest of the model.
@@ -51,10 +60,19 @@ def shard_units(model: torch.nn.Module, classes: list[str] | None) -> list[tuple
     reach = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     units: list[tuple[str, torch.nn.Module]] = []
     matched: set[str] = set()
+    # Modules whose forward reads a child's parameters without calling the child
+    # (nn.MultiheadAttention reads out_proj.weight directly): in the default
+    # selection their children stay in the parent's unit, or the parent would
+    # meet a still-sharded parameter.
+    whole: list[str] = []
     for name, module in model.named_modules():
         if module is model:
             continue
         if classes is None:
+            if any(name.startswith(prefix + ".") for prefix in whole):
+                continue
+            if isinstance(module, _READS_CHILD_PARAMETERS):
+                whole.append(name)
             if next(module.parameters(recurse=False), None) is None:
                 continue
         elif type(module).__name__ not in classes:
