@@ -104,7 +104,7 @@ def _instrumented_run(w: Workload, callbacks: int) -> dict[str, float]:
             marks[step] = (backend.seconds, data.seconds)
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(out, target)
+        return w.loss(out, target)
 
     stamper, stamps = stamp_plugin()
     trainer = unison.Trainer(
@@ -153,8 +153,13 @@ def distributed_costs(w: Workload, strategy: str = "ddp") -> dict[str, float]:
             trainer.strategy.reduce_sum = timing("loss_reduce", trainer.strategy.reduce_sum)
             trainer.strategy.clip_grad_norm = timing("grad_norm", trainer.strategy.clip_grad_norm)
 
-    trainer = unison.Trainer(strategy=strategy, callbacks=[Instrument()], **w.unison_settings())
-    trainer.fit(w.model, w.data(), loss_fn=torch.nn.functional.mse_loss, optimizer=w.optimizer)
+    options = w.strategy_options(strategy)
+    trainer = unison.Trainer(
+        strategy=strategy,
+        callbacks=[Instrument()],
+        **w.unison_settings(**({"strategy_options": options} if options else {})),
+    )
+    trainer.fit(w.model, w.data(), loss_fn=w.loss, optimizer=w.optimizer)
     out = {k: statistics.median(v[w.warmup :]) for k, v in per_step.items()}
     # The bare latency of one such collective in a tight loop: the rest of stop_agreement is waiting
     # for the slower rank, which a loop without it would wait for at its next collective instead.

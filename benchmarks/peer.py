@@ -39,7 +39,7 @@ def run_lightning(w: Workload) -> dict[str, Any]:
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
+            return w.loss(self.net(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return w.optimizer(self.parameters())

@@ -1,7 +1,11 @@
-"""The one workload every benchmark trains, and the hand-written loops it is compared with.
+"""The workloads the benchmarks train, and the hand-written loops they are compared with.
 
-Model, data and settings are shared: an MLP (an ``nn.Sequential`` of Linear
-layers, so the pipeline can split it), AdamW, accumulation over micro-batches,
+Two workloads: :class:`Workload`, an MLP (an ``nn.Sequential`` of Linear
+layers, so the pipeline can split it) whose steps take a few milliseconds, so
+fixed per-step costs weigh heavily; and :class:`LMWorkload`, a byte-level
+transformer (the tinylm example's blocks, widened; an ``nn.Sequential`` of
+embedding, blocks and head) whose steps take 100-300 ms here, like a real
+model's. Model, data and settings are shared: AdamW, accumulation over micro-batches,
 clipping by the global norm, fixed data order (``shuffle=False``: global batch
 ``k`` is samples ``k*G .. k*G+G-1``, micro-batch ``m`` of it is cut into one
 contiguous slice per data-parallel rank, exactly as unison cuts it).
@@ -20,7 +24,7 @@ import contextlib
 import itertools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -29,7 +33,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 @dataclass(frozen=True)
 class Workload:
-    """What one timed run trains."""
+    """What one timed run trains: the MLP."""
+
+    #: The name in tables and ``--workload``; the ratio target (unison / the other) on this workload.
+    name: ClassVar[str] = "mlp"
+    target: ClassVar[float] = 1.03
 
     d_in: int = 64
     hidden: int = 512
@@ -75,6 +83,10 @@ class Workload:
         sampler = [idx for step in range(self.steps) for idx in self.micro_indices(step, replicas, rank)]
         return DataLoader(self.data(), batch_sampler=sampler)
 
+    def strategy_options(self, strategy: str) -> dict[str, Any] | None:
+        """Options that make unison's backend set up as the hand-written loop does (FSDP's units)."""
+        return {"shard_module_classes": list(self.shard_classes)} if strategy == "fsdp" else None
+
     def unison_settings(self, **extra: Any) -> dict[str, Any]:
         return {
             "max_steps": self.steps,
@@ -90,6 +102,113 @@ class Workload:
 
     def optimizer(self, params: Any) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=self.lr)
+
+    @staticmethod
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(out, target)
+
+    #: Class names of the submodules FSDP shards as their own unit, in both contenders.
+    shard_classes: tuple[str, ...] = ("Linear",)
+
+    def describe(self) -> str:
+        """One line for the results: what the model is and how big."""
+        return (
+            f"MLP {self.d_in}-{'-'.join([str(self.hidden)] * (self.layers - 1))}-1 ({self.parameters():,} parameters), "
+            f"global batch {self.global_batch} in {self.accumulate} micro-batches"
+        )
+
+
+class _Embed(torch.nn.Module):
+    """Token and learned position embeddings (the first pipeline stage's layer)."""
+
+    def __init__(self, vocab: int, d_model: int, seq_len: int) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, d_model)
+        self.pos = torch.nn.Parameter(torch.randn(seq_len, d_model) * 0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos[: idx.shape[1]]
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm causal self-attention and MLP block (the tinylm example's)."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.ln1 = torch.nn.LayerNorm(d_model)
+        self.attn = torch.nn.MultiheadAttention(d_model, n_heads, batch_first=True)
+        self.ln2 = torch.nn.LayerNorm(d_model)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(d_model, 4 * d_model), torch.nn.GELU(), torch.nn.Linear(4 * d_model, d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+@dataclass(frozen=True)
+class LMWorkload(Workload):
+    """A realistic step: a byte-level causal transformer on windows of the stdlib's source.
+
+    The head is untied from the embedding so that the pipeline can split the
+    model at any block boundary. Sizes chosen for 100-300 ms per optimizer
+    step per rank here (one thread per rank).
+    """
+
+    name: ClassVar[str] = "lm"
+    target: ClassVar[float] = 1.01
+
+    vocab: int = 256
+    d_model: int = 256
+    heads: int = 4
+    blocks: int = 4
+    seq_len: int = 128
+    samples: int = 2048
+    global_batch: int = 8
+    steps: int = 12
+    warmup: int = 3
+    shard_classes: tuple[str, ...] = ("_Block",)
+
+    def model(self) -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            _Embed(self.vocab, self.d_model, self.seq_len),
+            *(_Block(self.d_model, self.heads) for _ in range(self.blocks)),
+            torch.nn.LayerNorm(self.d_model),
+            torch.nn.Linear(self.d_model, self.vocab, bias=False),
+        )
+
+    def data(self) -> TensorDataset:
+        import os
+        from pathlib import Path
+
+        need = self.samples * (self.seq_len + 1)
+        text = b""
+        for path in sorted(Path(os.__file__).parent.glob("*.py")):
+            text += path.read_bytes()
+            if len(text) >= need:
+                break
+        tokens = torch.frombuffer(bytearray(text[:need]), dtype=torch.uint8).long().view(self.samples, -1)
+        return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+    @staticmethod
+    def loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    def describe(self) -> str:
+        return (
+            f"causal transformer, {self.blocks} blocks of d_model {self.d_model}, {self.heads} heads, sequences of "
+            f"{self.seq_len} bytes ({self.parameters():,} parameters), global batch {self.global_batch} in "
+            f"{self.accumulate} micro-batches"
+        )
+
+
+#: The workloads by name (``python -m benchmarks --workload``).
+WORKLOADS: dict[str, type[Workload]] = {w.name: w for w in (Workload, LMWorkload)}
 
 
 def steady_step_time(stamps: list[float], warmup: int) -> float:
@@ -128,11 +247,12 @@ def run_unison(
     import unison
 
     plugin, stamps = stamp_plugin()
+    strategy_options = strategy_options or w.strategy_options(strategy)
     options = {"strategy_options": strategy_options} if strategy_options else {}
     trainer = unison.Trainer(
         strategy=strategy, callbacks=[plugin, *callbacks], nonfinite=nonfinite, **w.unison_settings(**options, **extra)
     )
-    trainer.fit(w.model, w.data(), loss_fn=torch.nn.functional.mse_loss, optimizer=w.optimizer)
+    trainer.fit(w.model, w.data(), loss_fn=w.loss, optimizer=w.optimizer)
     return {"stamps": stamps, "trainer": trainer}
 
 
@@ -155,7 +275,7 @@ def hand_single(w: Workload) -> list[float]:
     for _ in range(w.steps):
         for _ in range(w.accumulate):
             x, y = next(batches)
-            (torch.nn.functional.mse_loss(model(x), y) / w.accumulate).backward()
+            (w.loss(model(x), y) / w.accumulate).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -176,7 +296,7 @@ def hand_ddp(w: Workload) -> list[float]:
             x, y = next(batches)
             # Gradient all-reduce only on the last micro-batch of the step.
             with model.no_sync() if m < w.accumulate - 1 else contextlib.nullcontext():
-                (torch.nn.functional.mse_loss(model(x), y) / w.accumulate).backward()
+                (w.loss(model(x), y) / w.accumulate).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -191,8 +311,8 @@ def hand_fsdp(w: Workload) -> list[float]:
     rank, world = _world()
     model = w.model()
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
+    for layer in reversed(list(model.modules())):
+        if type(layer).__name__ in w.shard_classes:
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = w.optimizer(model.parameters())
@@ -202,7 +322,7 @@ def hand_fsdp(w: Workload) -> list[float]:
         for m in range(w.accumulate):
             x, y = next(batches)
             model.set_requires_gradient_sync(m == w.accumulate - 1)
-            (torch.nn.functional.mse_loss(model(x), y) / w.accumulate).backward()
+            (w.loss(model(x), y) / w.accumulate).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)  # DTensor-aware: the global norm
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -236,7 +356,7 @@ def hand_deepspeed(w: Workload, stage: int) -> list[float]:
             x, y = next(batches)
             # The engine divides by gradient_accumulation_steps, counts micro-steps,
             # and reduces, clips and updates at its boundary.
-            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.backward(w.loss(engine(x), y))
             engine.step()
         stamps.append(time.perf_counter())
     engine.destroy()
@@ -262,7 +382,7 @@ def hand_pipeline(w: Workload) -> list[float]:
     stage = PipelineStage(mine, rank, stages, torch.device("cpu"))
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.mse_loss(out, target) / w.accumulate
+        return w.loss(out, target) / w.accumulate
 
     schedule = ScheduleGPipe(stage, w.accumulate, loss_fn=loss_fn, scale_grads=False)
     opt = w.optimizer(mine.parameters())
@@ -302,7 +422,10 @@ HAND_LOOPS = {
 HAND_DESCRIPTION = {
     "single": "model(x), loss / accumulate, backward, clip_grad_norm_, AdamW.step",
     "ddp": "DistributedDataParallel, no_sync() off the boundary, clip_grad_norm_",
-    "fsdp": "FSDP2 fully_shard per Linear + root, set_requires_gradient_sync, clip_grad_norm_ (DTensor)",
+    "fsdp": (
+        "FSDP2 fully_shard per unit (each Linear of the MLP, each block of the LM) + root, "
+        "set_requires_gradient_sync, clip_grad_norm_ (DTensor)"
+    ),
     "zero2": "deepspeed.initialize(stage 2), engine.backward + engine.step every micro-batch",
     "zero3": "deepspeed.initialize(stage 3), engine.backward + engine.step every micro-batch",
     "pipeline": "torch.distributed.pipelining ScheduleGPipe, 2 stages, clip over all-reduced squared norms",
