@@ -135,7 +135,7 @@ def test_tied_weights_and_buffers(world, reference):
 def test_multihead_attention_under_the_default_units_trains_like_single(world, reference):
     # nn.MultiheadAttention reads out_proj.weight without calling out_proj: sharded as its own
     # unit, the weight would still be sharded when attention runs (a DTensor/Tensor mix error).
-    strategy, _, results = world
+    _, _, results = world
     for r in results:
         assert max_abs_diff(r["attention"]["state"], reference["attention"]["state"]) < FP32_TOL
 
