@@ -7,7 +7,8 @@ reference. :class:`TrainData` is the one object the trainer asks for step
 ``k``'s micro-batches.
 
 Map-style datasets (``len`` and ``__getitem__``, Hugging Face ``datasets.Dataset``)
-    A seeded permutation per epoch (by seed and epoch, never by rank), cut into
+    A seeded permutation per epoch (by seed and epoch, never by rank; a source with
+    ``epoch_order(seed, epoch)`` may give its own, e.g. a sharded source's window shuffle), cut into
     global batches of ``global_batch_size``; each global batch is cut into
     ``accumulate_grad_batches`` micro-batches, and data-parallel replica ``r``
     of ``D`` takes slice ``r`` of each micro-batch. The incomplete last global
@@ -115,6 +116,7 @@ class TrainData:
                 data_parallel_rank,
                 settings.seed,
                 settings.shuffle,
+                getattr(self.dataset, "epoch_order", None),
             )
             if self.map_style
             else None

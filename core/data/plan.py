@@ -2,13 +2,15 @@
 
 The same for every backend and world size: a seeded permutation per epoch cut into global batches,
 each cut into micro-batches, replica ``r`` of ``D`` taking slice ``r`` of each (see
-:mod:`unison.data.loader` for the whole data path).
+:mod:`unison.data.loader` for the whole data path). A source may give the epoch's order itself
+(``epoch_order(seed, epoch)``, e.g. :class:`unison.data.shards.ShardedDataset`'s shard-order + window
+shuffle); it too depends on the seed and the epoch only.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +60,9 @@ class BatchPlan:
     data_parallel_rank: int
     seed: int
     shuffle: bool = True
+    #: ``(seed, epoch) -> permutation of range(dataset_size)`` or ``None``: the source's own epoch order
+    #: (``None`` from it, or no function: the seeded global permutation).
+    order: Callable[[int, int], torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         check_divisible(self.global_batch_size, self.accumulate_grad_batches, self.data_parallel_size)
@@ -81,7 +86,16 @@ class BatchPlan:
         start = within * self.global_batch_size
         if not self.shuffle:
             return list(range(start, start + self.global_batch_size))
-        return _epoch_permutation(self.dataset_size, self.seed, epoch)[start : start + self.global_batch_size].tolist()
+        order = self.order(self.seed, epoch) if self.order is not None else None
+        if order is None:
+            order = _epoch_permutation(self.dataset_size, self.seed, epoch)
+        elif len(order) != self.dataset_size:
+            raise ConfigurationError(
+                "train_dataset",
+                f"its epoch_order gave {len(order)} indices for {self.dataset_size} samples",
+                "return a permutation of range(len(dataset))",
+            )
+        return order[start : start + self.global_batch_size].tolist()
 
     def local_micro_indices(self, step: int) -> list[list[int]]:
         """This replica's slice of each micro-batch of step ``step``."""
