@@ -204,3 +204,44 @@ def test_resume_reads_only_the_steps_left(tmp_path):
     # Steps 4 and 5 only: 2 of 6 steps' samples (the trainer's first-batch check reads step 4's once more).
     per_step = full.stats.bytes / 6
     assert resumed.stats.bytes <= 3 * per_step, (resumed.stats.bytes, full.stats.bytes)
+
+
+def test_a_config_names_sharded_files_and_a_decode_function(tmp_path, capsys, monkeypatch):
+    from unison.cli import main
+    from unison.config.load import ConfigErrors, load_config, resolve_run
+
+    write_jsonl(tmp_path / "train", ROWS, 3)
+    write_jsonl(tmp_path / "val", ROWS[:40], 1)
+    (tmp_path / "factories.py").write_text(
+        "import torch\n\n"
+        "def model():\n    return torch.nn.Linear(8, 1)\n\n"
+        "def decode(sample):\n    return torch.tensor(sample['x']), torch.tensor(sample['y'])\n\n"
+        "def loss(out, target):\n    return torch.nn.functional.mse_loss(out, target)\n"
+    )
+    config = tmp_path / "run.toml"
+    body = (
+        '[model]\nfactory = "factories.py:model"\n[loss]\nfactory = "factories.py:loss"\n'
+        '[data]\ntrain = "train/*.jsonl"\nval = ["val/part-000.jsonl"]\ndecode = "factories.py:decode"\n'
+        "shuffle_window = 32\n"
+    )
+    config.write_text('[trainer]\nmax_steps = 3\nglobal_batch_size = 16\nprogress = "off"\n' + body)
+    monkeypatch.chdir(tmp_path)  # relative shard paths are the working directory's, like checkpoint_dir
+    loaded, base = load_config(config)
+    train, val = resolve_run(loaded, base)["data"]()
+    assert isinstance(train, ShardedDataset) and len(train) == 96 and len(val) == 40
+    assert train.shuffle_window == 32 and torch.equal(train[0][0], torch.tensor(ROWS[0]["x"]))
+    main(["train", str(config)])
+    assert "final validation loss" in capsys.readouterr().out
+    # Each problem named: both sources, a decode outside the trust roots, kwargs without a factory.
+    config.write_text(
+        body.replace("[data]\n", '[data]\nfactory = "factories.py:model"\n').replace(
+            '"factories.py:decode"', '"os:system"'
+        )
+    )
+    with pytest.raises(ConfigErrors) as caught:
+        load_config(config)
+    text = str(caught.value)
+    assert "give exactly one of factory and train" in text and "[trainer] section" in text
+    config.write_text(body.replace('"factories.py:decode"', '"os:system"'))
+    with pytest.raises(ConfigErrors, match=r"data\.decode"):
+        load_config(config, {"max_steps": 1, "global_batch_size": 16})
