@@ -156,6 +156,12 @@ def test_the_window_shuffle_is_a_seeded_permutation_of_shards_then_windows(tmp_p
         assert len({int(i) // 24 for i in window}) == 1
     assert order.tolist() != sorted(order.tolist())
     assert ShardedDataset(str(tmp_path / "d" / "*.jsonl")).epoch_order(0, 0) is None  # the trainer's permutation
+    # Runs of 4 consecutive samples stay together; the runs are permuted within the windows.
+    chunked = ShardedDataset(str(tmp_path / "d" / "*.jsonl"), shuffle_window=24, shuffle_chunk=4).epoch_order(0, 0)
+    assert sorted(chunked.tolist()) == list(range(96))
+    runs = chunked.view(-1, 4)
+    assert all(r.tolist() == list(range(int(r[0]), int(r[0]) + 4)) for r in runs)
+    assert runs[:, 0].tolist() != sorted(runs[:, 0].tolist())
 
 
 def _fit(data, workers: int, **settings):

@@ -262,13 +262,14 @@ def _data_factory(data: DataConfig, base: Path, trust: Trust) -> Callable[[], An
     def sharded() -> tuple[Any, Any]:
         from unison.data.shards import ShardedDataset
 
-        def open_shards(urls: str | list[str], window: int | None) -> ShardedDataset:
+        def open_shards(urls: str | list[str], **shuffle: Any) -> ShardedDataset:
             return ShardedDataset(
-                urls, decode, storage_options=data.storage_options, index_dir=data.index_dir, shuffle_window=window
+                urls, decode, storage_options=data.storage_options, index_dir=data.index_dir, **shuffle
             )
 
         assert data.train is not None
-        return open_shards(data.train, data.shuffle_window), open_shards(data.val, None) if data.val else None
+        train = open_shards(data.train, shuffle_window=data.shuffle_window, shuffle_chunk=data.shuffle_chunk)
+        return train, open_shards(data.val) if data.val else None
 
     return sharded
 

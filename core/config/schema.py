@@ -46,6 +46,8 @@ class DataConfig(_Strict):
     shuffle_window: int | None = pydantic.Field(None, ge=1)
     """``None``: the trainer's global permutation; a number: shard order + shuffle within windows of this
     many samples (see docs/data.md)."""
+    shuffle_chunk: int = pydantic.Field(1, ge=1)
+    """With ``shuffle_window``: runs of this many consecutive samples stay together (fewer range reads)."""
     index_dir: str | None = None
     """Where shard indexes are cached (a directory or fsspec URL); default ``$UNISON_DATA_CACHE`` or
     ``~/.cache/unison/shard-index``."""

@@ -22,9 +22,11 @@ this source is handed exactly the samples of this rank, so it reads only their b
 
 Shuffling: by default the trainer's global permutation (by seed and epoch). With ``shuffle_window=W``
 the source gives the epoch's order itself (:meth:`epoch_order`): shards in a seeded order, samples
-permuted within consecutive windows of *W* samples. Fewer shards are open at a time and Parquet row
-groups and compressed shards are read about once per pass instead of once per sample taken, at the
-price of randomness (a sample only meets samples of its window, about the window's shards, in a batch).
+permuted within consecutive windows of *W* samples (or runs of ``shuffle_chunk`` consecutive samples
+permuted, which cuts the number of range requests by that factor). Fewer shards are open at a time
+and Parquet row groups and compressed shards are read about once per pass instead of once per sample
+taken, at the price of randomness (a sample only meets samples of its window in a batch, and its
+run's neighbours always).
 
 Failures: a missing or unreadable shard, or a record that does not parse, is a :class:`ShardError`
 naming the shard URL, the position in the shard and the global sample index. A shard whose version
@@ -63,6 +65,10 @@ from unison.data.shard_index import (
 __all__ = ["ReadStats", "ShardError", "ShardedDataset"]
 
 
+#: File-system clients a loader worker inherited from its parent (see :meth:`ShardedDataset.filesystem`).
+_INHERITED: list[Any] = []
+
+
 @dataclass
 class ReadStats:
     """What this process read from the shards (each loader worker counts its own).
@@ -97,6 +103,9 @@ class ShardedDataset(Dataset):
             cached index.
         shuffle_window: ``None`` for the trainer's global permutation, or the window size of the
             shard-order + window shuffle (see the module doc).
+        shuffle_chunk: with ``shuffle_window``, runs of this many consecutive samples of a shard stay
+            together and the runs are permuted within each window: a rank's slice is then read in
+            about ``slice / shuffle_chunk`` ranges instead of one per sample.
         cache_blocks: Parquet row groups or decompressed shards kept per process.
     """
 
@@ -109,18 +118,22 @@ class ShardedDataset(Dataset):
         index_dir: str | None = None,
         on_change: str = "reindex",
         shuffle_window: int | None = None,
+        shuffle_chunk: int = 1,
         cache_blocks: int = 4,
     ) -> None:
         if on_change not in ("reindex", "error"):
             raise ValueError(f"on_change must be 'reindex' or 'error', not {on_change!r}")
         if shuffle_window is not None and shuffle_window < 1:
             raise ValueError(f"shuffle_window must be a positive number of samples, not {shuffle_window}")
+        if shuffle_chunk < 1:
+            raise ValueError(f"shuffle_chunk must be a positive number of samples, not {shuffle_chunk}")
         self.patterns = [urls] if isinstance(urls, str) else list(urls)
         if not self.patterns:
             raise ShardError("no shard URLs given")
         self.decode = decode
         self.storage_options = dict(storage_options or {})
-        self.on_change, self.shuffle_window, self.cache_blocks = on_change, shuffle_window, cache_blocks
+        self.on_change, self.shuffle_window, self.shuffle_chunk = on_change, shuffle_window, shuffle_chunk
+        self.cache_blocks = cache_blocks
         self.stats = ReadStats()
         self._fs_pid: int | None = None
         self._fs: Any = None
@@ -144,9 +157,17 @@ class ShardedDataset(Dataset):
             import fsspec
 
             options = dict(self.storage_options)
+            if self.patterns[0].startswith(("s3://", "s3a://")):
+                # botocore's own retry loop cut to one try, as for checkpoints: this module retries
+                # (bounded, counted), and the two would multiply.
+                options.setdefault("config_kwargs", {}).setdefault("retries", {"max_attempts": 1, "mode": "standard"})
             fs, _ = fsspec.core.url_to_fs(self.patterns[0], skip_instance_cache=True, **options)
             if hasattr(fs, "retries"):
                 fs.retries = 1  # s3fs's own retry loop; this module retries (bounded, counted) instead
+            if self._fs is not None:
+                # A client inherited through fork stays referenced: closing it here would close the
+                # parent's connections from this process's event loop.
+                _INHERITED.append(self._fs)
             self._fs, self._fs_pid = fs, os.getpid()
             self._verified = set()
             self._blocks = collections.OrderedDict()
@@ -254,10 +275,15 @@ class ShardedDataset(Dataset):
             return self._order[2]
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         shard_order = torch.randperm(len(self.shards), generator=generator).tolist()
-        order = torch.cat([torch.arange(self._offsets[s], self._offsets[s + 1]) for s in shard_order])
-        # Permute within windows: sort by (window number + a uniform draw in [0, 1)).
-        window = torch.arange(len(order), dtype=torch.float64).div_(self.shuffle_window).floor_()
-        order = order[torch.argsort(window + torch.rand(len(order), generator=generator, dtype=torch.float64))]
+        base = torch.cat([torch.arange(self._offsets[s], self._offsets[s + 1]) for s in shard_order])
+        # Permute the chunks within each window: sort by (the window of the chunk's first sample + a
+        # uniform draw in [0, 1)), then expand each chunk to its samples, in shard order.
+        size, chunk = len(base), self.shuffle_chunk
+        chunks = -(-size // chunk)
+        window = torch.arange(chunks, dtype=torch.float64).mul_(chunk).div_(self.shuffle_window).floor_()
+        picked = torch.argsort(window + torch.rand(chunks, generator=generator, dtype=torch.float64))
+        positions = (picked[:, None] * chunk + torch.arange(chunk)).flatten()
+        order = base[positions[positions < size]]
         self._order = (seed, epoch, order)
         return order
 
