@@ -148,7 +148,11 @@ class TrainData:
         """
         s = self.settings
         if self.plan is not None:
-            return self.collate_fn([self.dataset[i] for i in self.plan.local_micro_indices(0)[0]])
+            indices = self.plan.local_micro_indices(0)[0]
+            # As the DataLoader reads: one __getitems__ call where the source has one (a sharded
+            # source reads the slice in one batch of range requests).
+            getitems = getattr(self.dataset, "__getitems__", None)
+            return self.collate_fn(getitems(indices) if getitems else [self.dataset[i] for i in indices])
         batches = stream_global_batches(self.dataset, s.global_batch_size, end_step=1)
         try:
             _, _, samples = next(batches)
