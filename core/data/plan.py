@@ -49,6 +49,25 @@ def _epoch_permutation(dataset_size: int, seed: int, epoch: int) -> torch.Tensor
     return torch.randperm(dataset_size, generator=generator)
 
 
+def window_order(offsets: Sequence[int], seed: int, epoch: int, window: int, chunk: int = 1) -> torch.Tensor:
+    """A shard-order + window shuffle of the samples of shards ``[offsets[s], offsets[s + 1])``.
+
+    By seed and epoch only: shards in a seeded order, then runs of ``chunk`` consecutive samples
+    permuted within consecutive windows of ``window`` samples (``chunk=1``: the samples themselves).
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    shard_order = torch.randperm(len(offsets) - 1, generator=generator).tolist()
+    base = torch.cat([torch.arange(offsets[s], offsets[s + 1]) for s in shard_order])
+    # Sort the chunks by (the window of the chunk's first sample + a uniform draw in [0, 1)), then
+    # expand each chunk to its samples.
+    size = len(base)
+    chunks = -(-size // chunk)
+    windows = torch.arange(chunks, dtype=torch.float64).mul_(chunk).div_(window).floor_()
+    picked = torch.argsort(windows + torch.rand(chunks, generator=generator, dtype=torch.float64))
+    positions = (picked[:, None] * chunk + torch.arange(chunk)).flatten()
+    return base[positions[positions < size]]
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """Which samples of a map-style dataset form each micro-batch of each step, on one replica."""

@@ -43,7 +43,6 @@ import collections
 import functools
 import json
 import os
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from unison.data.plan import window_order
 from unison.data.shard_index import (
     IndexCache,
     ShardError,
@@ -160,7 +160,8 @@ class ShardedDataset(Dataset):
             if self.patterns[0].startswith(("s3://", "s3a://")):
                 # botocore's own retry loop cut to one try, as for checkpoints: this module retries
                 # (bounded, counted), and the two would multiply.
-                options.setdefault("config_kwargs", {}).setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+                one_try = {"retries": {"max_attempts": 1, "mode": "standard"}}
+                options["config_kwargs"] = {**one_try, **options.get("config_kwargs", {})}
             fs, _ = fsspec.core.url_to_fs(self.patterns[0], skip_instance_cache=True, **options)
             if hasattr(fs, "retries"):
                 fs.retries = 1  # s3fs's own retry loop; this module retries (bounded, counted) instead
@@ -186,25 +187,18 @@ class ShardedDataset(Dataset):
         """``call()``, retried on transient object-storage errors with the checkpoints' bounded backoff."""
         if self._local(self.filesystem()):
             return call()
-        from unison.checkpointing.retry import first_line, retry_budget, transient
+        from unison.checkpointing.retry import call_retrying, first_line
 
-        budget, start, delay, tries = retry_budget(), time.monotonic(), 0.5, 0
-        while True:
-            tries += 1
-            try:
-                return call()
-            except Exception as exc:
-                if not transient(exc):
-                    raise
-                waited = time.monotonic() - start
-                if waited + delay > budget:
-                    raise ShardError(
-                        f"{url}: failed to {what} after {tries} tries over {waited:.0f} s "
-                        f"(UNISON_STORAGE_RETRY_S={budget:g}); last error: {type(exc).__name__}: {first_line(exc)}"
-                    ) from None
-                self.stats.retries += 1
-                time.sleep(delay)
-                delay = min(delay * 2, 8.0)
+        def give_up(tries: int, waited: float, budget: float, exc: BaseException) -> ShardError:
+            return ShardError(
+                f"{url}: failed to {what} after {tries} tries over {waited:.0f} s "
+                f"(UNISON_STORAGE_RETRY_S={budget:g}); last error: {type(exc).__name__}: {first_line(exc)}"
+            )
+
+        def count() -> None:
+            self.stats.retries += 1
+
+        return call_retrying(call, count, give_up)
 
     # -- listing and indexing --------------------------------------------------- #
     def _list(self, fs: Any) -> list[tuple[str, dict[str, Any]]]:
@@ -248,17 +242,6 @@ class ShardedDataset(Dataset):
     def __len__(self) -> int:
         return self._offsets[-1]
 
-    @property
-    def nbytes(self) -> int:
-        """The bytes of every sample's record (tar: members with headers), or the shard sizes for Parquet."""
-        total = 0
-        for path, index in self.shards:
-            if index.format == "parquet" or index.format.startswith("jsonl."):
-                total += int(self.filesystem().info(path)["size"])
-            else:
-                total += sum(e - s for s, e in zip(index.starts, index.ends))
-        return total
-
     def locate(self, i: int) -> tuple[int, int]:
         """``(shard number, position in the shard)`` of global sample ``i``."""
         if not 0 <= i < len(self):
@@ -273,17 +256,7 @@ class ShardedDataset(Dataset):
             return None
         if self._order is not None and self._order[:2] == (seed, epoch):
             return self._order[2]
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        shard_order = torch.randperm(len(self.shards), generator=generator).tolist()
-        base = torch.cat([torch.arange(self._offsets[s], self._offsets[s + 1]) for s in shard_order])
-        # Permute the chunks within each window: sort by (the window of the chunk's first sample + a
-        # uniform draw in [0, 1)), then expand each chunk to its samples, in shard order.
-        size, chunk = len(base), self.shuffle_chunk
-        chunks = -(-size // chunk)
-        window = torch.arange(chunks, dtype=torch.float64).mul_(chunk).div_(self.shuffle_window).floor_()
-        picked = torch.argsort(window + torch.rand(chunks, generator=generator, dtype=torch.float64))
-        positions = (picked[:, None] * chunk + torch.arange(chunk)).flatten()
-        order = base[positions[positions < size]]
+        order = window_order(self._offsets, seed, epoch, self.shuffle_window, self.shuffle_chunk)
         self._order = (seed, epoch, order)
         return order
 
