@@ -10,10 +10,12 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import IterableDataset
 
 
 def samples(n: int, seed: int = 7) -> list[dict[str, Any]]:
@@ -64,3 +66,23 @@ def write_parquet(path: Path, rows: list[dict[str, Any]], row_group_size: int) -
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
     return path
+
+
+class JsonlStream(IterableDataset):
+    """Today's streaming path for the same shards: each pass reads every shard in order, whole.
+
+    What a user writes without a sharded source; the trainer gives every rank the whole stream, so
+    at world size D the shards are read D times per pass (the comparison in the amplification tests).
+    """
+
+    def __init__(self, urls: list[str]) -> None:
+        self.urls = urls
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        import fsspec
+
+        for url in self.urls:
+            with fsspec.open(url, "rb") as f:
+                for line in f:
+                    if line.strip():
+                        yield decode(json.loads(line))
