@@ -3,7 +3,9 @@
 The server checks every request's signature against the one identity in its
 ``-s3.config`` file, so wrong credentials are refused by the server itself.
 It listens on 127.0.0.1 only, on free ports, with its data in its own
-temporary directory, and is stopped (its whole process group) afterwards.
+temporary directory, and is stopped (its whole process group) afterwards. Its Prometheus
+metrics (``-metricsPort``) give the bytes it sent (:meth:`S3Server.sent_bytes`): the read
+amplification tests measure with the server's own counter.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,7 @@ class S3Server:
     endpoint: str
     process: subprocess.Popen
     workdir: Path
+    metrics_url: str = ""
 
     def env(self, key: str = KEY, secret: str = SECRET) -> dict[str, str]:
         """The standard AWS variables that point a client at this server."""
@@ -58,6 +62,20 @@ class S3Server:
         return s3fs.S3FileSystem(
             key=KEY, secret=SECRET, endpoint_url=self.endpoint, skip_instance_cache=True, use_listings_cache=False
         )
+
+    def sent_bytes(self) -> int:
+        """Object bytes the server has sent from the test bucket since it started (its Prometheus counter
+        ``SeaweedFS_s3_bucket_traffic_sent_bytes_total``), read once it stops moving."""
+        name = f'SeaweedFS_s3_bucket_traffic_sent_bytes_total{{bucket="{BUCKET}"}}'
+        last = None
+        while True:
+            text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+            values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)]
+            value = int(values[0]) if values else 0
+            if value == last:
+                return value
+            last = value
+            time.sleep(0.3)
 
     def objects(self, prefix: str) -> list[str]:
         """Keys of the test bucket under ``prefix``, relative to it."""
@@ -114,6 +132,7 @@ def start(timeout: float = 90.0) -> S3Server:
             "s3.port.lance",
         )
     }
+    metrics_port = _free_port()
     argv = [
         binary,
         "mini",
@@ -125,10 +144,13 @@ def start(timeout: float = 90.0) -> S3Server:
         "-webdav=false",
         f"-bucket={BUCKET}",
         *(f"-{name}={port}" for name, port in ports.items()),
+        f"-metricsPort={metrics_port}",
     ]
     log = open(workdir / "weed.log", "wb")  # noqa: SIM115  (the server writes it until stopped)
     process = subprocess.Popen(argv, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{ports['s3.port']}", process, workdir)
+    server = S3Server(
+        f"http://127.0.0.1:{ports['s3.port']}", process, workdir, f"http://127.0.0.1:{metrics_port}/metrics"
+    )
     deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while time.monotonic() < deadline:

@@ -107,6 +107,29 @@ def retried(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     return decorate
 
 
+def call_retrying(call: Callable[[], Any], on_retry: Callable[[], None], give_up: Callable[..., Exception]) -> Any:
+    """``call()``, tried again on transient errors with the doubling wait (0.5 s to 8 s) within the budget.
+
+    ``on_retry()`` counts each retry; once the budget is spent, ``give_up(tries, waited_s, budget_s,
+    last_error)`` returns the error to raise. Other errors propagate at once. (The sharded data
+    source reads through this; checkpoints' storage methods through :func:`retried`.)
+    """
+    budget, start, delay, tries = retry_budget(), time.monotonic(), 0.5, 0
+    while True:
+        tries += 1
+        try:
+            return call()
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            waited = time.monotonic() - start
+            if waited + delay > budget:
+                raise give_up(tries, waited, budget, exc) from None
+            on_retry()
+            time.sleep(delay)
+            delay = min(delay * 2, 8.0)
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an error's message (its type when it has none)."""
     text = str(exc).strip() or type(exc).__name__

@@ -19,6 +19,10 @@ roots. Factories are ``"file.py:function"`` (relative to the config file) or
     [data]                          # factory returns (train_dataset, val_dataset or None);
                                     # each a map-style dataset, an iterable one or a DataLoader
     factory = "tinylm.py:build_datasets"
+    # or sharded files, local or in object storage (unison.data.shards.ShardedDataset):
+    # train = "s3://bucket/train/*.parquet"
+    # val = "s3://bucket/val/*.parquet"
+    # decode = "tinylm.py:decode"     # one sample as read -> what a batch holds
 
     [loss]
     factory = "tinylm.py:loss_fn"   # the loss function itself, not a builder
@@ -74,6 +78,7 @@ from unison.config.optim import (
 )
 from unison.config.schema import (
     ClassConfig,
+    DataConfig,
     FactoryConfig,
     ImportsConfig,
     LoggingConfig,
@@ -92,6 +97,7 @@ __all__ = [
     "APEX_NOT_INSTALLED",
     "ClassConfig",
     "ConfigErrors",
+    "DataConfig",
     "FactoryConfig",
     "ImportsConfig",
     "LoggingConfig",
@@ -190,8 +196,10 @@ def _factory_problems(sections: dict[str, Any], base: Path, trust: Trust) -> lis
     """Every factory a config names: inside the trust roots, found, and taking the given keywords."""
     specs: list[tuple[tuple[str | int, ...], str, dict[str, Any] | None]] = []
     for name in ("model", "data"):
-        if sections.get(name) is not None:
+        if sections.get(name) is not None and sections[name].factory is not None:
             specs.append(((name,), sections[name].factory, sections[name].kwargs))
+    if sections.get("data") is not None and sections["data"].decode is not None:
+        specs.append((("data", "decode"), sections["data"].decode, None))
     for name in ("loss", "training_step"):
         if sections.get(name) is not None:
             specs.append(((name,), sections[name].factory, None))
@@ -243,6 +251,29 @@ def build_callbacks(config: RunConfig, base: Path) -> list[Any]:
     return plugins
 
 
+def _data_factory(data: DataConfig, base: Path, trust: Trust) -> Callable[[], Any]:
+    """``() -> (train, val)``: the ``[data]`` factory with its kwargs, or the sharded datasets it names."""
+    if data.factory is not None:
+        factory = resolve_factory(data.factory, base, "data.factory", trust)
+        check_kwargs(factory, data.kwargs, "data.kwargs")
+        return lambda: factory(**data.kwargs)
+    decode = resolve_factory(data.decode, base, "data.decode", trust) if data.decode is not None else None
+
+    def sharded() -> tuple[Any, Any]:
+        from unison.data.shards import ShardedDataset
+
+        def open_shards(urls: str | list[str], **shuffle: Any) -> ShardedDataset:
+            return ShardedDataset(
+                urls, decode, storage_options=data.storage_options, index_dir=data.index_dir, **shuffle
+            )
+
+        assert data.train is not None
+        train = open_shards(data.train, shuffle_window=data.shuffle_window, shuffle_chunk=data.shuffle_chunk)
+        return train, open_shards(data.val) if data.val else None
+
+    return sharded
+
+
 def resolve_run(config: RunConfig, base: Path) -> dict[str, Any]:
     """Every factory a config names, resolved and checked against its kwargs (nothing is built yet).
 
@@ -253,8 +284,7 @@ def resolve_run(config: RunConfig, base: Path) -> dict[str, Any]:
     trust = _trust(config, base)
     model = resolve_factory(config.model.factory, base, "model.factory", trust)
     check_kwargs(model, config.model.kwargs, "model.kwargs")
-    data = resolve_factory(config.data.factory, base, "data.factory", trust)
-    check_kwargs(data, config.data.kwargs, "data.kwargs")
+    data = _data_factory(config.data, base, trust)
     if config.loss is not None:
         form = {"loss_fn": resolve_factory(config.loss.factory, base, "loss.factory", trust)}
     else:
@@ -276,7 +306,7 @@ def resolve_run(config: RunConfig, base: Path) -> dict[str, Any]:
         return built
 
     def build_data() -> tuple[Any, Any]:
-        built = data(**config.data.kwargs)
+        built = data()
         if not (isinstance(built, tuple | list) and len(built) == 2):
             raise ConfigurationError(
                 "data.factory", f"returned {type(built).__name__}, not a pair", "return (train_dataset, val_dataset)"

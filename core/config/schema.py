@@ -27,6 +27,48 @@ class FactoryConfig(_Strict):
     """Keyword arguments for the factory."""
 
 
+class DataConfig(_Strict):
+    """The datasets: a ``factory`` returning ``(train_dataset, val_dataset)``, or sharded files (``train``)."""
+
+    factory: str | None = None
+    """``file.py:function`` or ``module:function`` returning ``(train_dataset, val_dataset or None)``."""
+    kwargs: dict[str, Any] = {}
+    """Keyword arguments for the factory."""
+    train: str | list[str] | None = None
+    """Shard files of the training set instead of a factory: URLs or globs, local (relative to the working
+    directory) or any fsspec URL (``"s3://bucket/train/*.parquet"``), read by
+    :class:`unison.data.shards.ShardedDataset`."""
+    val: str | list[str] | None = None
+    """Shard files of the validation set (with ``train``)."""
+    decode: str | None = None
+    """``file.py:function`` turning one sample as read (a JSON value, a Parquet row dict, a tar sample's
+    ``{extension: bytes}``) into what the batch holds, e.g. ``(inputs, targets)`` tensors."""
+    shuffle_window: int | None = pydantic.Field(None, ge=1)
+    """``None``: the trainer's global permutation; a number: shard order + shuffle within windows of this
+    many samples (see docs/data.md)."""
+    shuffle_chunk: int = pydantic.Field(1, ge=1)
+    """With ``shuffle_window``: runs of this many consecutive samples stay together (fewer range reads)."""
+    index_dir: str | None = None
+    """Where shard indexes are cached (a directory or fsspec URL); default ``$UNISON_DATA_CACHE`` or
+    ``~/.cache/unison/shard-index``."""
+    storage_options: dict[str, Any] = {}
+    """fsspec file-system options for the shards (s3fs: ``endpoint_url``...); default: the ``AWS_*`` variables."""
+
+    @pydantic.model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.factory is None) == (self.train is None):
+            raise ValueError("give exactly one of factory and train")
+        if self.factory is not None:
+            sharded = [
+                name for name in ("val", "decode", "shuffle_window", "index_dir") if getattr(self, name) is not None
+            ] + (["storage_options"] if self.storage_options else [])
+            if sharded:
+                raise ValueError(f"{', '.join(sharded)} go with train (sharded files), not with factory")
+        elif self.kwargs:
+            raise ValueError("kwargs go with factory, not with train")
+        return self
+
+
 class LossConfig(_Strict):
     factory: str
     """The loss function ``loss_fn(outputs, targets) -> mean loss``."""
@@ -109,7 +151,7 @@ class ImportsConfig(_Strict):
 class RunConfig(_Strict):
     trainer: TrainerSettings
     model: FactoryConfig
-    data: FactoryConfig
+    data: DataConfig
     loss: LossConfig | None = None
     """The ``(inputs, targets)`` form; give this or ``[training_step]``."""
     training_step: StepConfig | None = None

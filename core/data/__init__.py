@@ -2,6 +2,8 @@
 
 * :mod:`~unison.data.plan` - which samples form optimizer step ``k`` (pure index arithmetic);
 * :mod:`~unison.data.sources` - map-style or iterable sources and the loader options;
+* :mod:`~unison.data.shards` - :class:`~unison.data.shards.ShardedDataset`, shard files on disk or in object
+  storage read by byte range (:mod:`~unison.data.shard_index`: the per-shard sample index);
 * :mod:`~unison.data.streams` - what the ``DataLoader`` runs (index-list sampler, stream cutter);
 * :mod:`~unison.data.loader` - :class:`~unison.data.loader.TrainData`, the one object the trainer asks for
   step ``k``'s micro-batches, its resume position;

@@ -7,7 +7,8 @@ reference. :class:`TrainData` is the one object the trainer asks for step
 ``k``'s micro-batches.
 
 Map-style datasets (``len`` and ``__getitem__``, Hugging Face ``datasets.Dataset``)
-    A seeded permutation per epoch (by seed and epoch, never by rank), cut into
+    A seeded permutation per epoch (by seed and epoch, never by rank; a source with
+    ``epoch_order(seed, epoch)`` may give its own, e.g. a sharded source's window shuffle), cut into
     global batches of ``global_batch_size``; each global batch is cut into
     ``accumulate_grad_batches`` micro-batches, and data-parallel replica ``r``
     of ``D`` takes slice ``r`` of each micro-batch. The incomplete last global
@@ -115,6 +116,7 @@ class TrainData:
                 data_parallel_rank,
                 settings.seed,
                 settings.shuffle,
+                getattr(self.dataset, "epoch_order", None),
             )
             if self.map_style
             else None
@@ -146,7 +148,11 @@ class TrainData:
         """
         s = self.settings
         if self.plan is not None:
-            return self.collate_fn([self.dataset[i] for i in self.plan.local_micro_indices(0)[0]])
+            indices = self.plan.local_micro_indices(0)[0]
+            # As the DataLoader reads: one __getitems__ call where the source has one (a sharded
+            # source reads the slice in one batch of range requests).
+            getitems = getattr(self.dataset, "__getitems__", None)
+            return self.collate_fn(getitems(indices) if getitems else [self.dataset[i] for i in indices])
         batches = stream_global_batches(self.dataset, s.global_batch_size, end_step=1)
         try:
             _, _, samples = next(batches)

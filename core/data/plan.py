@@ -2,13 +2,15 @@
 
 The same for every backend and world size: a seeded permutation per epoch cut into global batches,
 each cut into micro-batches, replica ``r`` of ``D`` taking slice ``r`` of each (see
-:mod:`unison.data.loader` for the whole data path).
+:mod:`unison.data.loader` for the whole data path). A source may give the epoch's order itself
+(``epoch_order(seed, epoch)``, e.g. :class:`unison.data.shards.ShardedDataset`'s shard-order + window
+shuffle); it too depends on the seed and the epoch only.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,25 @@ def _epoch_permutation(dataset_size: int, seed: int, epoch: int) -> torch.Tensor
     return torch.randperm(dataset_size, generator=generator)
 
 
+def window_order(offsets: Sequence[int], seed: int, epoch: int, window: int, chunk: int = 1) -> torch.Tensor:
+    """A shard-order + window shuffle of the samples of shards ``[offsets[s], offsets[s + 1])``.
+
+    By seed and epoch only: shards in a seeded order, then runs of ``chunk`` consecutive samples
+    permuted within consecutive windows of ``window`` samples (``chunk=1``: the samples themselves).
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    shard_order = torch.randperm(len(offsets) - 1, generator=generator).tolist()
+    base = torch.cat([torch.arange(offsets[s], offsets[s + 1]) for s in shard_order])
+    # Sort the chunks by (the window of the chunk's first sample + a uniform draw in [0, 1)), then
+    # expand each chunk to its samples.
+    size = len(base)
+    chunks = -(-size // chunk)
+    windows = torch.arange(chunks, dtype=torch.float64).mul_(chunk).div_(window).floor_()
+    picked = torch.argsort(windows + torch.rand(chunks, generator=generator, dtype=torch.float64))
+    positions = (picked[:, None] * chunk + torch.arange(chunk)).flatten()
+    return base[positions[positions < size]]
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """Which samples of a map-style dataset form each micro-batch of each step, on one replica."""
@@ -58,6 +79,9 @@ class BatchPlan:
     data_parallel_rank: int
     seed: int
     shuffle: bool = True
+    #: ``(seed, epoch) -> permutation of range(dataset_size)`` or ``None``: the source's own epoch order
+    #: (``None`` from it, or no function: the seeded global permutation).
+    order: Callable[[int, int], torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
         check_divisible(self.global_batch_size, self.accumulate_grad_batches, self.data_parallel_size)
@@ -81,7 +105,16 @@ class BatchPlan:
         start = within * self.global_batch_size
         if not self.shuffle:
             return list(range(start, start + self.global_batch_size))
-        return _epoch_permutation(self.dataset_size, self.seed, epoch)[start : start + self.global_batch_size].tolist()
+        order = self.order(self.seed, epoch) if self.order is not None else None
+        if order is None:
+            order = _epoch_permutation(self.dataset_size, self.seed, epoch)
+        elif len(order) != self.dataset_size:
+            raise ConfigurationError(
+                "train_dataset",
+                f"its epoch_order gave {len(order)} indices for {self.dataset_size} samples",
+                "return a permutation of range(len(dataset))",
+            )
+        return order[start : start + self.global_batch_size].tolist()
 
     def local_micro_indices(self, step: int) -> list[list[int]]:
         """This replica's slice of each micro-batch of step ``step``."""
