@@ -42,8 +42,7 @@ def model_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The model's blocks in forward order, as ``(name, module)`` (see the module docstring); may be empty."""
     blocks = getattr(model, "blocks", None)
     if isinstance(blocks, (torch.nn.ModuleList, torch.nn.Sequential)):
-        prefix = next(name for name, child in model.named_children() if child is blocks)
-        children = [(f"{prefix}.{name}", child) for name, child in blocks.named_children()]
+        children = [(f"blocks.{name}", child) for name, child in blocks.named_children()]
     elif getattr(model, "pipeline_layers", None) is not None:
         children = [(name, model.get_submodule(name)) for name in model.pipeline_layers]
     elif isinstance(model, torch.nn.Sequential):
