@@ -157,3 +157,39 @@ def test_a_strategy_that_declares_a_feature_refused_refuses_it_naming_the_option
         unison.Trainer(strategy=strategy, max_steps=1, global_batch_size=8, **{option: value})
     assert raised.value.option == option and raised.value.feature == option
     assert f"set {option}=" in str(raised.value) and f"unison describe {strategy}" in str(raised.value)
+
+
+# -- the conformance probes see a strategy that ignores the option ------------------------------- #
+
+
+def probed_fit(scenario, **options) -> dict:
+    """One single-process fit of the scenario's model under the suite's probe, as a trace."""
+    from unison.conformance.feature_probes import FeatureProbe
+    from unison.conformance.models import build_model
+
+    with FeatureProbe(scenario.probe) as probe:
+        fit(model=lambda: build_model(scenario.model), **options)
+    return {"status": "ok", "feature_probe": probe.result()}
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [
+        ("compile", {"compile": {"backend": "aot_eager"}}),
+        ("activation_checkpointing", {"activation_checkpointing": "full"}),
+    ],
+)
+def test_the_suite_probe_fails_a_run_that_ignored_the_feature(name, options):
+    from unison.conformance.checks.numeric import Checker
+    from unison.conformance.feature_probes import check_feature_probe
+    from unison.conformance.scenarios import SCENARIOS_BY_NAME
+    from unison.conformance.verdict import tolerance_for
+
+    scenario = SCENARIOS_BY_NAME[name]
+    reference = probed_fit(scenario)
+    applied, ignored = probed_fit(scenario, **options), probed_fit(scenario)  # what an ignoring strategy runs
+    # One process stands for a world of one rank here; two ranks applying it would be two records.
+    for trace, failures in ((applied, 0), (ignored, 1)):
+        checker = Checker(scenario, tolerance_for(scenario.precision))
+        check_feature_probe(checker, scenario, "strategy:main", trace, reference)
+        assert [d.kind for d in checker.divergences] == ["feature"] * failures, checker.divergences
