@@ -5,10 +5,10 @@ numbers: a strategy that ignores the option would pass the comparison with the
 reference. So their runs carry a probe, recorded on every rank around ``fit``:
 
 * ``compile``: the dynamo frames compiled during the fit
-  (``torch._dynamo.utils.counters["frames"]["ok"]``); every rank of the
-  strategy's run must have compiled at least one.
+  (``torch._dynamo.utils.counters["frames"]["ok"]``, from an emptied dynamo
+  cache); every rank of the strategy's run must have compiled at least one.
 * ``activation_checkpointing``: the FLOPs executed during the fit
-  (:class:`torch.utils.flop_counter.FlopCounterMode`: matrix products). A
+  (:class:`unison.plugins.callbacks.mfu.FlopCount`: ``torch.utils.flop_counter``'s formulas). A
   checkpointed block runs its forward again in backward, so the strategy's
   ranks together must execute more FLOPs than the reference without it (the
   ranks of a data-parallel world split the batch, a pipeline's ranks split the
@@ -43,13 +43,17 @@ class FeatureProbe:
 
     def __enter__(self) -> FeatureProbe:
         if self.feature == "compile":
+            import torch._dynamo
             from torch._dynamo.utils import counters
 
+            # A forward compiled earlier in this process (same code, guards that hold) would run from
+            # dynamo's cache without compiling a frame: start from an empty cache.
+            torch._dynamo.reset()
             self._frames_before = counters["frames"]["ok"]
         else:
-            from torch.utils.flop_counter import FlopCounterMode
+            from unison.plugins.callbacks.mfu import FlopCount
 
-            self._mode = FlopCounterMode(display=False)
+            self._mode = FlopCount()
             self._mode.__enter__()
         return self
 
@@ -60,7 +64,7 @@ class FeatureProbe:
             self.value = float(counters["frames"]["ok"] - self._frames_before)
         else:
             self._mode.__exit__(*exc)
-            self.value = float(self._mode.get_total_flops())
+            self.value = float(self._mode.total)
 
     def result(self) -> dict[str, Any]:
         return {"feature": self.feature, "value": self.value}

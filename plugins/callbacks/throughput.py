@@ -38,12 +38,11 @@ import sys
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from unison.plugin import hookimpl
 
 from .._timing import StepWindow
-from .mfu import peak_flops
+from .mfu import FlopCount, peak_flops
 
 
 def peak_rss_mib() -> float:
@@ -72,7 +71,7 @@ class Throughput:
         self.count_flops = count_flops
         #: FLOPs this rank executes per optimizer step, once counted in this fit.
         self.flops_per_step: float | None = None
-        self._counter: FlopCounterMode | None = None
+        self._counter: FlopCount | None = None
         self._steps = 0
 
     @hookimpl
@@ -83,7 +82,7 @@ class Throughput:
     @hookimpl
     def unison_on_train_step_start(self, trainer: Any) -> None:
         if self.count_flops and self._steps == COUNTED_STEP:
-            self._counter = FlopCounterMode(display=False)
+            self._counter = FlopCount()
             self._counter.__enter__()
         self._window.start()
 
@@ -117,5 +116,5 @@ class Throughput:
     def _stop_counting(self) -> None:
         assert self._counter is not None
         self._counter.__exit__(None, None, None)
-        self.flops_per_step = float(self._counter.get_total_flops())
+        self.flops_per_step = float(self._counter.total)
         self._counter = None
