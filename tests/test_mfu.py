@@ -58,3 +58,12 @@ def test_known_peaks_and_the_measured_cpu_peak():
     assert len({key for key, _, _ in PEAK_TFLOPS}) == len(PEAK_TFLOPS)
     peak = measured_peak_flops(torch.float32)
     assert peak > 1e8 and measured_peak_flops(torch.float32) == peak  # measured once per process
+
+
+def test_the_cpu_peak_is_measured_outside_any_flop_counter():
+    from unison.plugins.callbacks import mfu
+
+    mfu._MEASURED.clear()
+    with mfu.FlopCount() as counted:
+        assert measured_peak_flops(torch.float32) > 0
+    assert counted.total == 0
