@@ -55,6 +55,7 @@ from unison.conformance.checks.numeric import Checker, finish, run_label
 from unison.conformance.checks.premises import check_premises
 from unison.conformance.checks.ranks import check_rank_consistency
 from unison.conformance.checks.sync import check_accumulation, check_same_sync
+from unison.conformance.feature_probes import check_feature_probe
 from unison.conformance.models import build_model
 from unison.conformance.spec import Run, Scenario
 from unison.conformance.suite import StrategyResult
@@ -245,6 +246,7 @@ def _judge_run(
     check_rank_consistency(c, label, t)
     if run.backend == "strategy":
         sensitivity.check_probes(c, scenario, label, t)
+        check_feature_probe(c, scenario, label, t, ref_runs.get(run.twin) if run.twin else None)
     check_accumulation(c, scenario, label, t, t.get("world_size", 1) > 1)
     if run.twin is not None:
         _compare_to_twin(c, scenario, run, label, t, ref_runs, buffers)

@@ -33,6 +33,7 @@ import torch
 
 import unison
 from unison.conformance.data import Sizing
+from unison.conformance.feature_probes import FeatureProbe
 from unison.conformance.models import OPTIMIZERS, SCHEDULERS, build_model, loss_fn, perturb, training_step
 from unison.conformance.sensitivity import PrecisionProbe, probes_apply
 from unison.conformance.spec import Run, Scenario
@@ -112,7 +113,12 @@ def execute_run(
         form: dict[str, Any] = {"loss_fn": loss_fn} if scenario.form == "loss_fn" else {"training_step": training_step}
         if scenario.val_every:
             form["val_dataset"] = validation_data()
-        with profile_collectives(dist_on) as prof_box, pm.record_hook_calls(prefix="unison_") as hooks:
+        feature_probe = FeatureProbe(scenario.probe) if scenario.probe is not None else contextlib.nullcontext()
+        with (
+            profile_collectives(dist_on) as prof_box,
+            pm.record_hook_calls(prefix="unison_") as hooks,
+            feature_probe,
+        ):
             progress = trainer.fit(
                 model,
                 data,
@@ -151,6 +157,8 @@ def execute_run(
         )
         if probe is not None:
             trace["precision_probe"] = probe.result()
+        if isinstance(feature_probe, FeatureProbe):
+            trace["feature_probe"] = feature_probe.result()
     except ConfigurationError as exc:
         if trainer is not None and trainer.setup_started:
             # Bad input is refused before the process group and the strategy's

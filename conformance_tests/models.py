@@ -23,6 +23,8 @@ perturb every rank but 0 on purpose):
 * ``offset``: the MLP with its output bias at :data:`OUTPUT_OFFSET`, trained on
   targets moved there (``data="offset"``): bf16 rounds its predictions to whole
   numbers, so mixed precision visibly changes training (the precision scenario).
+* ``blocks``: an ``nn.Sequential`` of a ``Linear``, two blocks of ``Linear``/``Tanh`` pairs, and a
+  ``Linear`` (the activation checkpointing scenario: blocks whose forward is recomputed).
 * ``groups``: the MLP trained with two parameter groups (matrices: one lr and
   weight decay; vectors: half the lr, no weight decay). Groups are formed by
   ``param.ndim`` because the optimizer factory receives the parameters a
@@ -154,6 +156,22 @@ def _offset() -> torch.nn.Sequential:
     return model
 
 
+def _blocks() -> torch.nn.Sequential:
+    """An ``nn.Sequential`` whose two middle children are blocks of two ``Linear`` + ``Tanh`` each.
+
+    What activation checkpointing needs to show: a checkpointed block whose forward really runs again in
+    backward. A block that is one ``Linear`` keeps only its input and weight, which non-reentrant
+    checkpointing recovers without running anything (it stops recomputing once every saved tensor is back).
+    """
+
+    def block() -> torch.nn.Sequential:
+        return torch.nn.Sequential(
+            torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.Tanh()
+        )
+
+    return torch.nn.Sequential(torch.nn.Linear(IN_FEATURES, HIDDEN), block(), block(), torch.nn.Linear(HIDDEN, 1))
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mlp": _mlp,
     "batchnorm": _batchnorm,
@@ -162,6 +180,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "tied": TiedAutoencoder,
     "groups": _mlp,
     "offset": _offset,
+    "blocks": _blocks,
 }
 
 

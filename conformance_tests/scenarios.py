@@ -51,6 +51,11 @@ def _precision_runs() -> tuple[Run, ...]:
     )
 
 
+def _feature_runs(option: str, value: object) -> tuple[Run, ...]:
+    """The reference without the module feature, the strategy with it (the feature changes no number)."""
+    return (Run("main", "reference"), Run("main", "strategy", twin="main", overrides=((option, value),)))
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "plain",
@@ -182,6 +187,26 @@ SCENARIOS: tuple[Scenario, ...] = (
         shuffle=False,
         premises=("overflow",),
         runs=_precision_runs(),
+    ),
+    Scenario(
+        "compile",
+        "the strategy trains with compile=True (torch.compile, inductor), the reference without; accumulation 2: "
+        "the same numbers at the fp32 tolerances, and frames compiled on every rank",
+        model="mlp",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        probe="compile",
+        runs=_feature_runs("compile", True),
+    ),
+    Scenario(
+        "activation_checkpointing",
+        'the strategy trains with activation_checkpointing="full" (every block recomputed in backward), the '
+        "reference without; accumulation 2: the same numbers, and the recomputed forwards' FLOPs on the ranks",
+        model="blocks",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        probe="activation_checkpointing",
+        runs=_feature_runs("activation_checkpointing", "full"),
     ),
     Scenario(
         "resume",

@@ -113,6 +113,9 @@ class Scenario:
     #: Another scenario (same model, accumulation 1) whose gradient
     #: collectives per optimizer step this one must equal.
     same_sync_as: str | None = None
+    #: A module feature the strategy's runs ask for (in their ``overrides``) whose application a probe
+    #: checks (:mod:`unison.conformance.feature_probes`): ``"compile"`` or ``"activation_checkpointing"``.
+    probe: Literal["compile", "activation_checkpointing"] | None = None
     runs: tuple[Run, ...] = (
         Run("main", "reference"),
         Run("main", "strategy", twin="main"),
@@ -191,6 +194,12 @@ def needs(scenario: Scenario, run: Run) -> dict[str, str]:
         out[Feature.GRADIENT_CLIPPING.value] = f"grad_clip_norm={clip}"
     if run.resume_from is not None:
         out[Feature.RESUME.value] = f"resumes the checkpoint of {run.resume_from}"
+    overrides = dict(run.overrides)
+    if overrides.get("compile", False) is not False:
+        out[Feature.COMPILE.value] = f"compile={overrides['compile']!r}"
+    if overrides.get("activation_checkpointing") is not None:
+        policy = overrides["activation_checkpointing"]
+        out[Feature.ACTIVATION_CHECKPOINTING.value] = f"activation_checkpointing={policy!r}"
     for feature, evidence in model_features(build_model(scenario.model)).items():
         out[feature.value] = f"model {scenario.model!r}: {evidence}"
     out[f"precision:{scenario.precision}"] = f"precision={scenario.precision!r}"

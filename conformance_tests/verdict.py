@@ -94,7 +94,8 @@ class Divergence:
     (ranks disagree), ``sync`` (gradient collectives vs the declaration),
     ``boundary``, ``refusal`` (undeclared), ``run`` (an error), ``premise``,
     ``declaration``, ``precision`` (a probe saw another dtype than the precision
-    declared) or ``other``.
+    declared), ``feature`` (a probe saw no sign of the compile or activation
+    checkpointing the run asked for) or ``other``.
     """
 
     scenario: str

@@ -196,6 +196,7 @@ def merge_ranks(results: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str
         "refusal",
         "error",
         "precision_probe",
+        "feature_probe",
     )
     merged = results[0]
     for scenario, runs in merged.items():

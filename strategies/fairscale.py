@@ -49,6 +49,7 @@ import torch
 from unison.contract.env import DistEnv, resolve_accelerator
 from unison.contract.ownership import (
     AccumulationOwner,
+    Feature,
     GradAccumulation,
     Ownership,
     PrecisionOwner,
@@ -159,6 +160,12 @@ class OwnedShardGradScaler(FlagReducingGradScaler):
             torch.distributed.all_reduce(per_device[device], op=torch.distributed.ReduceOp.MAX)
         return per_device
 
+
+#: Why ``fairscale_fsdp`` refuses the module features: its own setup applies neither.
+FAIRSCALE_FSDP_FEATURE = (
+    "fairscale's FullyShardedDataParallel wraps the module in its own setup, which applies neither torch.compile "
+    "nor activation checkpointing; use fsdp (FSDP2)"
+)
 
 _SDP_PRECISION = {
     "32-true": TRAINER_PRECISION["32-true"],
@@ -303,6 +310,7 @@ class FairscaleFSDPStrategy(Strategy):
     @property
     def ownership(self) -> Ownership:
         return Ownership(
+            refuses={Feature.COMPILE: FAIRSCALE_FSDP_FEATURE, Feature.ACTIVATION_CHECKPOINTING: FAIRSCALE_FSDP_FEATURE},
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,
                 "FullyShardedDataParallel.no_sync() on non-boundary micro-steps (unsharded gradients accumulate, "

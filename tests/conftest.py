@@ -43,6 +43,7 @@ FULL_TIER = {
     "test_watchdog.py": "fault injection: frozen and stopped ranks, waiting out stall timeouts by design",
     "test_s3_run_directories.py": "fault injection: object-storage uploads that fail and are retried",
     "test_storage_outage.py": "fault injection: an S3 server stopped mid-save, retried within its budget",
+    "test_compile_inductor.py": "torch.compile with inductor: code generation takes seconds per graph",
 }
 
 

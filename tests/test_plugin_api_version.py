@@ -17,6 +17,7 @@ import torch
 import unison
 from unison.contract import API_VERSION, MIGRATIONS, Migration, ReplicatedStrategy
 from unison.contract.env import DistEnv
+from unison.contract.settings import TrainerSettings
 from unison.contract.version import check_strategy_class, target_version
 
 V1_PLUGIN = """
@@ -108,7 +109,7 @@ def test_versions_are_declared_or_read_from_setup():
             super().setup(module, make_optimizer, env=env, precision=precision, settings=settings)
 
     v1 = _module("v1_read", V1_PLUGIN).MyStrategy
-    assert target_version(_Current) == target_version(Undeclared) == target_version(OwnSetupWithEnv) == "2.0"
+    assert target_version(_Current) == target_version(Undeclared) == target_version(OwnSetupWithEnv) == API_VERSION
     assert target_version(v1) == "1.0"
     for cls in (_Current, Undeclared, OwnSetupWithEnv):
         check_strategy_class(cls, plugin="test")  # no error, no warning
@@ -123,7 +124,7 @@ def test_a_declared_older_or_newer_version_is_refused():
 
     with pytest.raises(unison.PluginError, match=r"targets plugin API 1\.2.*Migrate: delete your setup"):
         check_strategy_class(Old, plugin="test")
-    with pytest.raises(unison.PluginError, match=r"targets plugin API 9\.0, newer than this unison's 2\.0"):
+    with pytest.raises(unison.PluginError, match=r"targets plugin API 9\.0, newer than this unison's 2\.1"):
         check_strategy_class(New, plugin="test")
 
 
@@ -144,17 +145,18 @@ def test_a_signature_mismatch_names_the_method_and_both_signatures():
 
 
 def test_a_deprecated_change_warns_until_it_is_removed():
-    # A synthetic future change: API 2.1 deprecates something 2.0 plugins do, removed in 3.0.
-    future = (*MIGRATIONS, Migration("2.1", "the thing 2.0 did", "do the other thing", removed_in="3.0"))
+    # A synthetic future change: API 2.2 deprecates something 2.1 plugins do, removed in 3.0.
+    future = (*MIGRATIONS, Migration("2.2", "the thing 2.1 did", "do the other thing", removed_in="3.0"))
+    assert _Current.api_version == "2.1"
     with pytest.warns(
-        DeprecationWarning, match=r"the thing 2\.0 did \(deprecated since API 2\.1, removed in API 3\.0\)"
+        DeprecationWarning, match=r"the thing 2\.1 did \(deprecated since API 2\.2, removed in API 3\.0\)"
     ):
-        check_strategy_class(_Current, plugin="test", api_version="2.1", migrations=future)
+        check_strategy_class(_Current, plugin="test", api_version="2.2", migrations=future)
     with pytest.raises(unison.PluginError, match="Migrate: do the other thing"):
         check_strategy_class(_Current, plugin="test", api_version="3.0", migrations=future)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_strategy_class(_Current, plugin="test", api_version="2.0", migrations=future)
+        check_strategy_class(_Current, plugin="test", api_version="2.1", migrations=future)
 
 
 def test_setup_runs_the_hooks_in_order_and_sets_the_attributes():
@@ -164,6 +166,11 @@ def test_setup_runs_the_hooks_in_order_and_sets_the_attributes():
         def configure_module(self, module):
             calls.append("configure_module")
             return super().configure_module(module)
+
+        def apply_features(self, module):
+            calls.append("apply_features")
+            assert module is self.module  # on its device, before the wrapper
+            super().apply_features(module)
 
         def wrap_module(self, module):
             calls.append("wrap_module")
@@ -176,7 +183,21 @@ def test_setup_runs_the_hooks_in_order_and_sets_the_attributes():
 
     strategy, module = Recording(), torch.nn.Linear(2, 1)
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    strategy.setup(module, lambda p: torch.optim.SGD(p, lr=0.1), env=env, precision=None, settings=None)
-    assert calls == ["configure_module", "wrap_module", "build_optimizer"]
+    settings = TrainerSettings(max_steps=1)
+    strategy.setup(module, lambda p: torch.optim.SGD(p, lr=0.1), env=env, precision=None, settings=settings)
+    assert calls == ["configure_module", "apply_features", "wrap_module", "build_optimizer"]
     assert strategy.env is env and strategy.module is module and strategy.model == ("wrapped", module)
     assert strategy.optimizer.param_groups[0]["params"] == list(module.parameters())
+
+
+def test_a_plugin_written_for_2_0_registers_unchanged_under_2_1():
+    """2.1 only added (the apply_features hook, two refusable features): no migration, no warning."""
+
+    class Written20(ReplicatedStrategy):
+        api_version = "2.0"
+        ownership = _Current.ownership
+
+    assert API_VERSION == "2.1"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_strategy_class(Written20, plugin="test")

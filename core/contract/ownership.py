@@ -148,6 +148,12 @@ class Feature(str, enum.Enum):
     #: An optimizer of any class from the optimizer factory (a strategy that
     #: runs its own optimizer accepts only the classes its reason names).
     ANY_OPTIMIZER = "any_optimizer"
+    #: ``compile`` set: ``torch.compile`` of the module's forward (per block
+    #: where the strategy shards per block).
+    COMPILE = "compile"
+    #: ``activation_checkpointing`` set: the forward of the model's blocks
+    #: recomputed in backward instead of keeping its activations.
+    ACTIVATION_CHECKPOINTING = "activation_checkpointing"
 
     @property
     def description(self) -> str:
@@ -165,6 +171,8 @@ _FEATURE_DESCRIPTIONS = {
     Feature.BUFFERS: "models with buffers",
     Feature.ARBITRARY_MODULE: "models that are not an nn.Sequential and declare no split points (pipeline_layers)",
     Feature.ANY_OPTIMIZER: "any optimizer class from the optimizer factory",
+    Feature.COMPILE: "torch.compile of the model (compile)",
+    Feature.ACTIVATION_CHECKPOINTING: "activation checkpointing of the model's blocks (activation_checkpointing)",
 }
 
 

@@ -81,6 +81,13 @@ class TrainerSettings(pydantic.BaseModel):
     """Skipped steps in a row (fp16 overflows, or ``nonfinite="skip"``) after which training stops."""
     stall_timeout_s: float | None = pydantic.Field(300.0, ge=1)
     """Seconds a rank's heartbeat may stop before every live rank names it and exits with code 3; None: no watchdog."""
+    compile: bool | dict[str, Any] = False
+    """``torch.compile`` the model's forward (per block under ``fsdp``): ``True`` with torch's defaults (inductor),
+    or a table of ``torch.compile`` keyword arguments (``{mode = "max-autotune"}``); refused by strategies that
+    declare it."""
+    activation_checkpointing: str | None = None
+    """Recompute the model's blocks in backward instead of keeping their activations: ``"full"`` (every block)
+    or ``"selective:N"`` (every N-th block); blocks as :func:`unison.contract.transforms.model_blocks` finds them."""
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> TrainerSettings:
@@ -94,9 +101,29 @@ class TrainerSettings(pydantic.BaseModel):
             raise ValueError("prefetch_factor and persistent_workers need num_workers > 0")
         return self
 
+    @pydantic.field_validator("activation_checkpointing")
+    @classmethod
+    def _check_policy(cls, policy: str | None) -> str | None:
+        if policy is not None:
+            checkpoint_every(policy)  # a ValueError names the valid policies
+        return policy
+
     def micro_batch_size(self, data_parallel_size: int) -> int:
         """Samples per micro-batch on one data-parallel replica (sizes are checked to divide)."""
         return self.global_batch_size // self.accumulate_grad_batches // data_parallel_size
+
+
+def checkpoint_every(policy: str) -> int:
+    """Every how many blocks ``policy`` checkpoints: ``"full"`` -> 1, ``"selective:N"`` -> N."""
+    if policy == "full":
+        return 1
+    name, _, n = policy.partition(":")
+    if name == "selective" and n.isdigit() and int(n) >= 1:
+        return int(n)
+    raise ValueError(
+        f'activation_checkpointing={policy!r} is not a policy: use "full" (every block) or "selective:N" '
+        "(every N-th block, N >= 1)"
+    )
 
 
 def parse_settings(settings: dict[str, Any]) -> TrainerSettings:

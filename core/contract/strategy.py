@@ -31,8 +31,9 @@ values, and a :class:`Strategy` subclass. Read this module in order:
 3. **Set up** (:meth:`Strategy.setup`, a template method): called once per
    ``fit`` on every rank, after the process group exists, the seed was set and
    replicas were made equal (when the trainer owns that). It binds the env and
-   runs three hooks a strategy overrides as needed: ``configure_module`` (move
-   to the device), ``wrap_module`` (DDP, FSDP...), ``build_optimizer``.
+   runs four hooks a strategy overrides as needed: ``configure_module`` (move
+   to the device), ``apply_features`` (activation checkpointing, ``torch.compile``;
+   API 2.1), ``wrap_module`` (DDP, FSDP...), ``build_optimizer``.
 4. **Hot path**: ``forward``, ``backward``, ``clip_grad_norm``,
    ``optimizer_step``, ``zero_grad``, ``to_device``, ``reduce_sum``.
 5. **State**: ``full_state_dict`` (canonical), ``save_state`` / ``load_state``.
@@ -266,7 +267,8 @@ class Strategy(abc.ABC):
         precision: Precision,
         settings: TrainerSettings,
     ) -> None:
-        """Move, wrap, build the optimizer: ``configure_module`` -> ``wrap_module`` -> ``build_optimizer``.
+        """Move, transform, wrap, build the optimizer: ``configure_module`` -> ``apply_features`` ->
+        ``wrap_module`` -> ``build_optimizer``.
 
         Called once per ``fit`` on every rank, after the process group exists.
         ``env`` is this rank's place in the world (``None`` keeps the
@@ -283,6 +285,7 @@ class Strategy(abc.ABC):
             raise TypeError(f"{type(self).__qualname__}.setup() needs env= (or env bound before the call)")
         self.precision, self.settings = precision, settings
         self.module = self.configure_module(module)
+        self.apply_features(self.module)
         self.model = self.wrap_module(self.module)
         self.optimizer = self.build_optimizer(make_optimizer)
 
@@ -290,6 +293,26 @@ class Strategy(abc.ABC):
         """Hook: the module this rank trains, unwrapped (default: ``module`` moved to :attr:`env`'s device)."""
         assert self.env is not None
         return module.to(self.env.device)
+
+    def apply_features(self, module: torch.nn.Module) -> None:
+        """Hook: apply the run's module features to ``module`` in place, before :meth:`wrap_module`.
+
+        Default: activation checkpointing of the blocks (``settings.activation_checkpointing``), then
+        ``torch.compile`` of the whole forward (``settings.compile``), torchtitan's order; see
+        :mod:`unison.contract.transforms`. The compiled forward runs inside the wrapper (as Lightning and
+        torchtitan compile under DDP), so the wrapper's hooks stay outside the graph. A strategy that
+        cannot apply a feature declares it in ``Ownership.refuses`` (:attr:`Feature.COMPILE`,
+        :attr:`Feature.ACTIVATION_CHECKPOINTING`), and the trainer refuses the run before any process
+        group; one that overrides ``setup`` applies them itself or declares them refused.
+        """
+        from unison.contract.transforms import checkpoint_blocks, compile_forward, compile_options
+
+        assert self.settings is not None
+        if self.settings.activation_checkpointing is not None:
+            checkpoint_blocks(module, self.settings.activation_checkpointing)
+        options = compile_options(self.settings.compile)
+        if options is not None:
+            compile_forward(module, options)
 
     def wrap_module(self, module: torch.nn.Module) -> Any:
         """Hook: what the trainer calls in forward (a DDP/FSDP wrapper; default: ``module`` itself)."""

@@ -25,6 +25,7 @@ from unison.contract.ownership import Feature
 from unison.contract.settings import TrainerSettings
 from unison.contract.state import seed_everything
 from unison.contract.strategy import LossFn, Strategy, check_contract
+from unison.contract.transforms import compile_options, required_blocks
 from unison.data.loader import TrainData
 from unison.data.plan import check_divisible
 from unison.errors import ConfigurationError, DeclaredRefusal
@@ -101,6 +102,13 @@ def build_strategy(settings: TrainerSettings, pm: PluginManager, world_size: int
         refuse(strategy, Feature.GRADIENT_ACCUMULATION, "accumulate_grad_batches", "set accumulate_grad_batches=1")
     if settings.grad_clip_norm is not None:
         refuse(strategy, Feature.GRADIENT_CLIPPING, "grad_clip_norm", "set grad_clip_norm=None")
+    if settings.compile is not False:
+        refuse(strategy, Feature.COMPILE, "compile", "set compile=False")
+        compile_options(settings.compile)  # torch.compile's keyword arguments only
+    if settings.activation_checkpointing is not None:
+        refuse(
+            strategy, Feature.ACTIVATION_CHECKPOINTING, "activation_checkpointing", "set activation_checkpointing=None"
+        )
     resolve_accelerator(settings.accelerator)
     strategy.validate(settings, world_size)
     check_divisible(
@@ -290,6 +298,8 @@ def check_model(
     # Model features (tied weights, buffers, ...) are refused by the
     # strategy's own check, which may be narrower than the feature (a
     # pipeline refuses weights tied *across stages*); the declaration says so.
+    if settings.activation_checkpointing is not None:
+        required_blocks(built, "activation_checkpointing")  # what to checkpoint, before any process group
     strategy.validate_model(built, settings)
     strategy.validate_optimizer(probe_optimizer(optimizer, lr_scheduler, built), settings)
     return built

@@ -111,6 +111,16 @@ class Trainer:
             which training stops with :class:`NonFiniteError` instead of skipping forever.
         stall_timeout_s: seconds a rank's heartbeat may stop before every live rank names it, dumps its
             stacks and exits with code 3 (:mod:`unison.launch.watchdog`); ``None``: no watchdog.
+        compile: ``torch.compile`` the model's forward before the strategy wraps it (per block under
+            ``fsdp``, before sharding each): ``True`` with torch's defaults (inductor), or a dict of
+            ``torch.compile`` keyword arguments. Names and state dicts do not change. A strategy that
+            cannot declares it (``unison describe NAME``: ``refuses``) and the run is refused before any
+            process group. The first steps include the compilation.
+        activation_checkpointing: recompute the forward of the model's blocks in backward instead of
+            keeping their activations: ``"full"`` (every block) or ``"selective:N"`` (every N-th); the
+            blocks are the children of ``model.blocks`` (a ModuleList), or the split points of a pipeline
+            (``pipeline_layers``, an ``nn.Sequential``'s children), those with parameters
+            (:mod:`unison.contract.transforms`). Training is bit-for-bit the same; declared per strategy.
         nproc: processes on this node: ``python train.py`` then starts them itself (docs/launch.md);
             ``None``: as launched.
         callbacks: pluggy plugins (objects with ``@unison.hookimpl`` methods).
@@ -155,6 +165,8 @@ class Trainer:
         nonfinite: Literal["raise", "skip", "continue"] = "raise",
         max_consecutive_skips: int = 25,
         stall_timeout_s: float | None = 300.0,
+        compile: bool | dict[str, Any] = False,
+        activation_checkpointing: str | None = None,
         callbacks: Iterable[Any] = (),
         loggers: Iterable[Any] | Literal[False] = (),
         plugin_manager: PluginManager | None = None,

@@ -43,6 +43,13 @@ class _UnscaleThroughOptimizer(torch.amp.GradScaler):
         return optimizer.unscale_grads(inv_scale=inv_scale)
 
 
+#: Why ``apex_distributed_fused_adam`` refuses the module features: its own setup applies neither.
+APEX_FEATURE = (
+    "this strategy's setup (no module wrapper, gradient hooks per parameter) applies neither torch.compile nor "
+    "activation checkpointing; use ddp or fsdp"
+)
+
+
 class DistributedFusedAdamStrategy(Strategy):
     """apex's ``DistributedFusedAdam`` over the user's module (see the module docstring)."""
 
@@ -82,6 +89,8 @@ class DistributedFusedAdamStrategy(Strategy):
             refuses={
                 Feature.ANY_OPTIMIZER: "it trains with DistributedFusedAdam, an Adam optimizer: the factory must "
                 "return torch.optim.AdamW, torch.optim.Adam or apex.optimizers.FusedAdam",
+                Feature.COMPILE: APEX_FEATURE,
+                Feature.ACTIVATION_CHECKPOINTING: APEX_FEATURE,
             },
             notes=(
                 "gradient sync: no module wrapper; hooks on each parameter's gradient accumulator reduce-scatter "

@@ -49,6 +49,7 @@ import torch
 from unison.contract.env import DistEnv, resolve_accelerator
 from unison.contract.ownership import (
     AccumulationOwner,
+    Feature,
     GradAccumulation,
     Ownership,
     PrecisionOwner,
@@ -63,6 +64,12 @@ from unison.errors import ConfigurationError
 from unison.strategies._upstream import deepspeed as ds
 from unison.strategies.deepspeed.config import FP16_ON_CPU, DeepSpeedOptions, build_config, check_options
 from unison.strategies.deepspeed.conversion import ZeroCanonicalState, meta_skeleton
+
+#: Why DeepSpeed strategies refuse the module features: the engine owns the module's forward.
+DEEPSPEED_FEATURE = (
+    "DeepSpeed's engine wraps the module and runs its forward (ZeRO-3 gathers parameters in hooks around it); "
+    "unison applies no {} inside the engine and does not drive {}: train without it, or use fsdp"
+)
 
 #: The tag every checkpoint is written under: unison's own checkpointer names
 #: and commits the step directory, so DeepSpeed's ``latest`` pointer is unused.
@@ -115,6 +122,12 @@ class DeepSpeedStrategy(Strategy):
             else PrecisionSupport.unsupported(FP16_ON_CPU)
         )
         return Ownership(
+            refuses={
+                Feature.COMPILE: DEEPSPEED_FEATURE.format("torch.compile", "its engine.compile()"),
+                Feature.ACTIVATION_CHECKPOINTING: DEEPSPEED_FEATURE.format(
+                    "activation checkpointing", "its activation_checkpointing config section"
+                ),
+            },
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.ENGINE,
                 "DeepSpeed gradient_accumulation_steps=accumulate_grad_batches: engine.backward divides each "

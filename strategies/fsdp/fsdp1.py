@@ -10,6 +10,7 @@ import torch
 from unison.contract.env import DistEnv, resolve_accelerator
 from unison.contract.ownership import (
     AccumulationOwner,
+    Feature,
     GradAccumulation,
     Ownership,
     PrecisionOwner,
@@ -24,6 +25,12 @@ from unison.strategies.fsdp.common import (
     ShardedStrategy,
     precision_table,
     shard_units,
+)
+
+#: Why ``fsdp1`` refuses the module features: its own setup applies neither.
+FSDP1_FEATURE = (
+    "fsdp1 (FullyShardedDataParallel, flat parameters) is kept for existing runs and applies neither torch.compile "
+    "nor activation checkpointing; use fsdp (FSDP2), which compiles and checkpoints per block"
 )
 
 _NOTES = (
@@ -57,6 +64,7 @@ class FSDP1Strategy(ShardedStrategy):
     @property
     def ownership(self) -> Ownership:
         return Ownership(
+            refuses={Feature.COMPILE: FSDP1_FEATURE, Feature.ACTIVATION_CHECKPOINTING: FSDP1_FEATURE},
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,
                 "FullyShardedDataParallel.no_sync() on non-boundary micro-steps: unsharded gradients accumulate "

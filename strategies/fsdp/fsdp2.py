@@ -20,6 +20,7 @@ from unison.contract.ownership import (
 )
 from unison.contract.state import canonical
 from unison.contract.strategy import OptimizerFactory
+from unison.contract.transforms import checkpoint_blocks, compile_forward, compile_options, required_blocks
 from unison.strategies.fsdp.common import (
     SHARDED_DCP,
     ShardedStrategy,
@@ -47,6 +48,7 @@ _NOTES = (
         "one process under single or fsdp: 3e-8"
     ),
     "Sharding mutates the user's module in place (its class becomes an FSDP subclass, parameters DTensors)",
+    "compile=...: each block's forward is compiled before it is sharded (torchtitan's per-block compile)",
 )
 
 
@@ -100,7 +102,9 @@ class FSDP2Strategy(ShardedStrategy):
             fully_shard,
         )
 
+        self.settings = settings
         module = module.to(env.device)
+        self.apply_features(module)
         mesh = init_device_mesh(env.device.type, (env.world_size,))
         self._policy_precision = precision.support.owner is PrecisionOwner.SHARDING_POLICY
         inner_mp = root_mp = MixedPrecisionPolicy()
@@ -121,6 +125,28 @@ class FSDP2Strategy(ShardedStrategy):
         fully_shard(module, mp_policy=root_mp, **common)
         self.module = self.model = module
         self.optimizer = make_optimizer(module.parameters())
+
+    def validate_model(self, model: torch.nn.Module, settings: Any) -> None:
+        super().validate_model(model, settings)
+        if settings.compile is not False:
+            required_blocks(model, "compile")  # compiled per block: refuse a model without any
+
+    def apply_features(self, module: torch.nn.Module) -> None:
+        """Activation checkpointing, then ``torch.compile`` of each block, before any ``fully_shard``.
+
+        torchtitan's order and granularity: each block's forward is compiled on
+        its own, so FSDP2's all-gather and reshard hooks (on the units around
+        and inside it) stay outside the graphs, and the compiled blocks are
+        sharded like any other module (names unchanged).
+        """
+        settings = self.settings
+        assert settings is not None
+        if settings.activation_checkpointing is not None:
+            checkpoint_blocks(module, settings.activation_checkpointing)
+        options = compile_options(settings.compile)
+        if options is not None:
+            for _, block in required_blocks(module, "compile"):
+                compile_forward(block, options)
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:

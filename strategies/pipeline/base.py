@@ -61,6 +61,10 @@ PIPELINE_REFUSALS = {
         "a parameter shared by layers that land in different model chunks would get two independent copies; "
         "ties within one chunk are fine (choose the cut with strategy_options.balance)"
     ),
+    Feature.COMPILE: (
+        "a stage's forward runs inside the pipeline schedule, and unison compiles no stage: train uncompiled, or "
+        "compile with a data-parallel strategy (single, ddp, fsdp)"
+    ),
 }
 
 

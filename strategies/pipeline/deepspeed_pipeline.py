@@ -99,6 +99,8 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
                 **PIPELINE_REFUSALS,
                 Feature.ARBITRARY_MODULE: "DeepSpeed's PipelineModule takes a list of layers: pass an nn.Sequential "
                 "(strategy 'pipeline' also accepts a module declaring pipeline_layers)",
+                Feature.ACTIVATION_CHECKPOINTING: "DeepSpeed's PipelineModule runs the layers itself and unison does "
+                "not drive its activation_checkpoint_interval: use strategy 'pipeline' for activation checkpointing",
             },
             world_sizes=pipeline_world_sizes(self.options.stages),
             notes=(

@@ -61,6 +61,7 @@ from unison.contract.env import DistEnv
 from unison.contract.ownership import AccumulationOwner, GradAccumulation, Ownership, PrecisionOwner, PrecisionSupport
 from unison.contract.precision import Precision
 from unison.contract.strategy import LossFn, OptimizerFactory
+from unison.contract.transforms import checkpoint_blocks
 from unison.errors import ConfigurationError
 from unison.strategies._upstream.torch import (
     FlagReducingGradScaler,
@@ -260,6 +261,11 @@ class PipelineStrategy(StagedStrategy):
         o, layout = self.options, self.layout
         pp_group, dp_group = self._mesh_groups(env)
         balance = check_model(module, layout.chunks, o.balance, layout.per_rank)
+        self.settings = settings
+        if settings.activation_checkpointing is not None:
+            # Before the split: the blocks are the split points (or the model's `blocks`), and each
+            # stage's schedule recomputes its own blocks' forward in its backward.
+            checkpoint_blocks(module, settings.activation_checkpointing)
         module = as_layers(module)
         chunks = split_sequential(module, balance)
         mine = layout.chunks_of(layout.stage_of(env.rank))

@@ -1,0 +1,112 @@
+"""Model FLOPs utilisation: FLOPs per step counted once, and the device's peak to divide by.
+
+MFU = FLOPs of one optimizer step / its wall time / the device's peak FLOP/s.
+
+* **FLOPs per step** are counted by :class:`FlopCount` (the formulas of
+  :mod:`torch.utils.flop_counter`) over one whole optimizer step (every micro-batch's forward and backward on
+  this rank), once per fit: every step has the same shapes, so one count
+  serves them all. It counts what executes: with activation checkpointing
+  the recomputed forwards count too (hardware FLOPs, above the model's).
+* **The peak** is what the user gives (``Throughput(peak_flops=...)``), else
+  :data:`PEAK_TFLOPS` for a known CUDA device, else, on CPU, a matrix
+  product measured once per process (:func:`measured_peak_flops`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.flop_counter import flop_registry
+
+#: Dense (no sparsity) peak TFLOP/s per device, by a substring of ``torch.cuda.get_device_name()``:
+#: ``(bf16/fp16 tensor core, fp32)``. From NVIDIA's datasheets, whose tensor-core figures are quoted
+#: "with sparsity" (twice the dense rate, halved here): A100 SXM/PCIe (312 bf16, 19.5 fp32), H100 SXM
+#: (1,979 sparse -> 989 bf16, 67 fp32), H100 PCIe (1,513 sparse -> 756 bf16, 51 fp32), H200 SXM (1,979
+#: sparse -> 989 bf16, 67 fp32), L4 (242 sparse -> 121 bf16, 30.3 fp32), L40S (733 sparse -> 362 bf16,
+#: 91.6 fp32). fp32 is the CUDA-core rate: torch's default float32 matmul precision ("highest") does not
+#: use TF32. Checked in order, so "H100 PCIe" is matched before "H100".
+PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    ("H200", 989.0, 67.0),
+    ("H100 PCIe", 756.0, 51.0),
+    ("H100", 989.0, 67.0),
+    ("A100", 312.0, 19.5),
+    ("L40S", 362.0, 91.6),
+    ("L4", 121.0, 30.3),
+)
+
+_MEASURED: dict[tuple[str, torch.dtype], float] = {}
+
+
+class FlopCount(TorchDispatchMode):
+    """Counts FLOPs with :mod:`torch.utils.flop_counter`'s formulas (``flop_registry``), as a dispatch mode.
+
+    :class:`~torch.utils.flop_counter.FlopCounterMode` counts the same, per module too: for that it
+    enters a ``ModuleTracker`` (global module hooks, and autograd hooks on every module's inputs and
+    outputs), which a pipeline schedule's stage forwards and backwards do not go through cleanly. Only
+    the total is needed here, so only the dispatch mode is used.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype matrix products run in under ``precision`` (``bf16-*``: bf16; ``16-mixed``: fp16; else fp32)."""
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+def known_peak_flops(device_name: str, dtype: torch.dtype) -> float | None:
+    """:data:`PEAK_TFLOPS` for ``device_name`` in FLOP/s, or ``None`` for a device not in the table."""
+    for key, half, single in PEAK_TFLOPS:
+        if key in device_name:
+            return (single if dtype == torch.float32 else half) * 1e12
+    return None
+
+
+def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 1024, trials: int = 10) -> float:
+    """FLOP/s of the fastest of ``trials`` ``n x n`` CPU matrix products in ``dtype``; measured once per process.
+
+    The fastest, not the mean: on a shared machine a trial the scheduler interrupts runs slow, and the
+    peak is what the hardware reaches when it is not. This process's own thread settings
+    (``OMP_NUM_THREADS``) apply, the right yardstick for a step that runs under the same settings.
+    """
+    key = ("cpu", dtype)
+    if key not in _MEASURED:
+        # Outside any dispatch mode: a FLOP counter active around the step (the conformance suite's, a
+        # user's) must neither count the measurement nor slow it down.
+        with _disable_current_modes():
+            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            torch.mm(a, b)  # warm up
+            fastest = float("inf")
+            for _ in range(trials):
+                start = time.perf_counter()
+                torch.mm(a, b)
+                fastest = min(fastest, time.perf_counter() - start)
+        _MEASURED[key] = 2 * n**3 / fastest
+    return _MEASURED[key]
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The peak FLOP/s of ``device`` for ``precision``: the table for CUDA, a measured matrix product on CPU."""
+    dtype = compute_dtype(precision)
+    if device.type == "cuda":
+        return known_peak_flops(torch.cuda.get_device_name(device), dtype)
+    if device.type == "cpu":
+        return measured_peak_flops(dtype)
+    return None
