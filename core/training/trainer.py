@@ -105,7 +105,7 @@ class Trainer:
         nonfinite: a non-finite loss or grad norm in a precision without loss scaling: ``"raise"``
             (every rank raises :class:`NonFiniteError` naming that step; the check is read one step
             late, so no step waits for the device: the step's update has run in memory, but no
-            checkpoint, validation or logged metric ever comes from it), ``"skip"`` (the step and the
+            checkpoint or validation uses it and no logger receives its metrics), ``"skip"`` (the step and the
             scheduler step are skipped, counted in ``progress.skipped_steps``; one device-to-host read
             per step, to decide before the update) or ``"continue"`` (no check).
         max_consecutive_skips: skipped steps in a row (fp16 overflows, or ``nonfinite="skip"``) after
