@@ -127,7 +127,8 @@ def distributed_costs(w: Workload, strategy: str = "ddp") -> dict[str, float]:
     """Microseconds per step of the collectives around the backend's step (median over steady steps).
 
     ``stop_agreement``: ``should_stop`` and stop requests all-reduced on the CPU
-    (gloo) control group at every step boundary. ``loss_reduce``: the step's
+    (gloo) control group at every step boundary: from the wait for the previous
+    boundary's all-reduce (``collect``) to the start of this one's (``agree``). ``loss_reduce``: the step's
     micro-batch losses summed over replicas (``strategy.reduce_sum``), so every
     rank reports the same loss.
     """
@@ -149,7 +150,21 @@ def distributed_costs(w: Workload, strategy: str = "ddp") -> dict[str, float]:
         @unison.hookimpl
         def unison_on_fit_start(self, trainer: Any) -> None:
             loop = trainer._loop  # the fit's TrainLoop (unison.training.loop), set up before fit_start
-            loop.agree_to_stop = timing("stop_agreement", loop.agree_to_stop)
+            stop, started = loop.stop, []
+            collect, agree = stop.collect, stop.agree
+
+            def timed_collect() -> None:
+                started.append(started[-1] if started else time.perf_counter())
+                collect()
+
+            def timed_agree(now: bool = False) -> bool:
+                try:
+                    return agree(now=now)
+                finally:
+                    per_step["stop_agreement"].append((time.perf_counter() - started[0]) * 1e6)
+                    started.clear()
+
+            stop.collect, stop.agree = timed_collect, timed_agree
             trainer.strategy.reduce_sum = timing("loss_reduce", trainer.strategy.reduce_sum)
             trainer.strategy.clip_grad_norm = timing("grad_norm", trainer.strategy.clip_grad_norm)
 

@@ -34,14 +34,14 @@ def without_stop_agreement() -> Iterator[None]:
     Not a supported mode: with it a ``should_stop`` set on one rank, or a
     signal reaching one rank, would stop the ranks after different steps.
     """
-    from unison.training.loop import TrainLoop
+    from unison.training.stopping import StopAgreement
 
-    agree = TrainLoop.agree_to_stop
-    TrainLoop.agree_to_stop = lambda self: self.trainer.should_stop  # type: ignore[method-assign]
+    agree = StopAgreement.agree
+    StopAgreement.agree = lambda self, now=False: self.trainer.should_stop  # type: ignore[method-assign]
     try:
         yield
     finally:
-        TrainLoop.agree_to_stop = agree  # type: ignore[method-assign]
+        StopAgreement.agree = agree  # type: ignore[method-assign]
 
 
 def alternate(w: Workload, strategy: str, rounds: int, ablation: bool = False) -> dict[str, list[float]]:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
+import signal
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import TensorDataset
 
 import unison
+from unison.launch.lifecycle import Preempted
 
 from helpers import mlp, regression_data
 
@@ -84,3 +88,61 @@ def stop_from_one_rank(strategy: str) -> dict[str, Any]:
 
 def fail_world(strategies: tuple[str, ...]) -> dict[str, Any]:
     return {name: {"nan": nan_on_rank_1(name), "stop": stop_from_one_rank(name)} for name in strategies}
+
+
+class AtStep:
+    """On one rank, at the end of one step: set ``should_stop``, or send this process SIGUSR1."""
+
+    def __init__(self, rank: int, step: int, what: str) -> None:
+        self.rank, self.step, self.what = rank, step, what
+
+    @unison.hookimpl
+    def unison_on_train_step_end(self, trainer: Any, step: int) -> None:
+        if trainer.env.rank == self.rank and step == self.step:
+            if self.what == "should_stop":
+                trainer.should_stop = True
+            else:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def stop_run(strategy: str, what: str, rank: int, step: int, every: int) -> dict[str, Any]:
+    """Ten steps at most, a checkpoint every ``every`` steps; ``what`` happens on ``rank`` at ``step``."""
+    root = _shared_dir("unison-stop-")
+    trainer = unison.Trainer(
+        strategy=strategy,
+        global_batch_size=16,
+        accumulate_grad_batches=2,
+        max_steps=10,
+        checkpoint_dir=root,
+        checkpoint_every_n_steps=every,
+        progress="off",
+        callbacks=[AtStep(rank, step, what)],
+    )
+    preempted = None
+    try:
+        trainer.fit(
+            mlp(),
+            regression_data(n=64),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
+        )
+    except Preempted as exc:
+        preempted = {"step": exc.step, "signal": exc.signal_name, "checkpoint": exc.checkpoint}
+    return {
+        "root": root,
+        "preempted": preempted,
+        "global_step": trainer.progress.global_step,
+        "steps": [h.step for h in trainer.progress.history],
+        "checkpoints": sorted(p.name for p in Path(root).glob("step-*")),
+    }
+
+
+def stop_world(strategies: tuple[str, ...]) -> dict[str, Any]:
+    return {
+        name: {
+            "should_stop": stop_run(name, "should_stop", rank=1, step=2, every=5),
+            "signal": stop_run(name, "signal", rank=0, step=2, every=5),
+            "signal_at_save": stop_run(name, "signal", rank=1, step=3, every=2),
+        }
+        for name in strategies
+    }

@@ -65,11 +65,39 @@ def test_a_non_finite_loss_stops_the_run_at_that_step_without_a_bad_checkpoint(t
         unison.NonFiniteError, match=r"step 2: the loss was non-finite first at micro-batch 1 on rank 0"
     ):
         _fit(trainer, poisoned_data(index=40, value=value))  # step 2 = samples 32..47, micro-batch 1 = 40..47
-    assert trainer.progress.global_step == 2 and trainer.progress.optimizer_steps == 2
+    # The check is read one step late (no host sync per step): step 2's update ran in memory and is counted,
+    # and the error came before its checkpoint.
+    assert trainer.progress.global_step == 3 and trainer.progress.optimizer_steps == 3
     latest = Checkpointer(tmp_path).latest()
     assert latest is not None and latest.name.endswith("00000002") and _all_finite(latest)
     # nothing was pruned in favour of a non-finite checkpoint: the one kept is the last good step
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002"]
+
+
+@pytest.mark.parametrize(("index", "max_steps"), [(40, 4), (56, 4)], ids=["next-step", "last-step"])
+def test_a_non_finite_step_that_neither_logs_nor_saves_raises_before_anything_keeps_it(tmp_path, index, max_steps):
+    """Read late: in the next step (before its update), or at the end of the loop (before the final save)."""
+    seen = []
+
+    class Steps:
+        @unison.hookimpl
+        def unison_on_train_step_start(self, step):
+            seen.append(step)
+
+    trainer = unison.Trainer(
+        global_batch_size=16,
+        max_steps=max_steps,
+        shuffle=False,
+        log_every_n_steps=100,
+        progress="off",
+        checkpoint_dir=str(tmp_path),
+        callbacks=[Steps()],
+    )
+    step = index // 16
+    with pytest.raises(unison.NonFiniteError, match=rf"step {step}: the loss was non-finite first at micro-batch 0"):
+        _fit(trainer, poisoned_data(index=index))
+    assert trainer.progress.global_step == step + 1 and seen == list(range(min(step + 2, max_steps)))
+    assert list(tmp_path.glob("step-*")) == []  # the end-of-fit save never ran
 
 
 def test_skip_policy_skips_and_counts_the_step_and_the_scheduler():

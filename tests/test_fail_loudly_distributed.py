@@ -27,7 +27,9 @@ def test_a_nan_on_one_rank_stops_every_rank_at_that_step(world, strategy):
         assert run["error"] is not None and run["error"].startswith(
             "step 2: the loss was non-finite first at micro-batch 0 on rank 1"
         )
-        assert run["global_step"] == 2 and run["optimizer_steps"] == 2
+        # Read one step late (no host sync per step): step 2's update ran in memory and is counted; the
+        # error came before its checkpoint.
+        assert run["global_step"] == 3 and run["optimizer_steps"] == 3
     latest = Checkpointer(Path(runs[0]["root"])).latest()
     assert latest is not None and latest.name.endswith("00000002")
     assert all(_all_finite(p) for p in Path(runs[0]["root"]).glob("step-*"))

@@ -11,14 +11,18 @@ engine) are theirs: a hand-written loop calling the same APIs makes them too.
 
 Documented numbers per non-logging optimizer step (README, "Performance"):
 
-* ``nonfinite="continue"`` with fp32 or bf16: 0 device reads;
-* ``nonfinite="raise"`` (the default): 1 (the finiteness check before the update);
+* fp32 or bf16 with ``nonfinite="continue"`` or ``"raise"`` (the default): 0 device reads. ``raise``
+  reads the previous step's finiteness flag from a host copy made without blocking, once the current
+  step's work is queued (``nonfinite.py:resolve``; on CUDA it waits on that step's event, never on the
+  stream): a host-only read;
+* ``nonfinite="skip"``: 1 (whether to skip must be known before the update);
 * ``16-mixed``: 1 (the loss scaler's skip decision), whatever ``nonfinite`` is.
 
 Host-only reads are not device synchronisations on any machine and are listed
-by call site with the reason: the sampler's index lists (a CPU ``randperm``)
-and, in a distributed run, the stop-flag agreement (a CPU tensor all-reduced
-over the gloo control group, every step). The test fails on any other site.
+by call site with the reason: the sampler's index lists (a CPU ``randperm``),
+the lagged finiteness flag and, in a distributed run, the stop-flag agreement
+(a CPU tensor all-reduced over the gloo control group, started at one step
+boundary and read at the next). The test fails on any other site.
 
 This machine has no GPU, so every tensor is on the CPU; the sites are told
 apart by where the read happens, which is what would synchronise on a GPU.
@@ -52,14 +56,17 @@ _UNISON = tuple(
 HOST_ONLY = {
     "plan.py:global_indices": "the sampler's index list, sliced from a CPU torch.randperm",
     "batch.py:count_tokens": "tokens of a collated batch, counted on the host before it moves to the device",
-    "loop.py:agree_to_stop": "should_stop / stop-request flags: a CPU tensor on the gloo control group",
+    "stopping.py:_read": "should_stop / stop-request flags: a CPU tensor all-reduced on the gloo control group",
+    "nonfinite.py:resolve": "the previous step's finiteness flag, from its host copy (CUDA: after that step's event)",
 }
 
 #: Documented device reads per non-logging step, by (precision, nonfinite).
 DOCUMENTED = {
     ("32-true", "continue"): 0,
     ("bf16-mixed", "continue"): 0,
-    ("32-true", "raise"): 1,
+    ("32-true", "raise"): 0,
+    ("bf16-mixed", "raise"): 0,
+    ("32-true", "skip"): 1,
     ("16-mixed", "continue"): 1,
     ("16-mixed", "raise"): 1,
 }
@@ -207,9 +214,12 @@ def test_single_reads_only_the_documented_values_on_non_logging_steps(precision,
     run = count_run("single", precision, nonfinite)
     _check(run, DOCUMENTED[(precision, nonfinite)], logs_every(5))
     if DOCUMENTED[(precision, nonfinite)]:
-        # The one read is the finiteness decision in the trainer's step, nowhere else.
+        # The one read is the skip decision in the trainer's step, nowhere else.
         sites = {k for reads in run["device"].values() for k in reads if ":train_step:" in k}
         assert sites == {"loop.py:train_step:__bool__"}, sites
+    if nonfinite == "raise" and precision != "16-mixed":
+        # Every step's flag is read once, late, from its host copy (the next step, a logging step or the end).
+        assert sum(reads.get("nonfinite.py:resolve:__bool__", 0) for reads in run["all"].values()) == 10
 
 
 def test_progress_throughput_and_loggers_read_nothing_between_their_steps(tmp_path):
@@ -285,9 +295,62 @@ def world() -> list[dict]:
 @pytest.mark.parametrize("strategy", DISTRIBUTED)
 def test_distributed_steps_read_only_the_documented_values(world, strategy):
     for rank in world:
-        for nonfinite, documented in (("continue", 0), ("raise", 1)):
+        for nonfinite in ("continue", "raise"):
             run = rank[(strategy, nonfinite)]
-            _check(run, documented, logs_every(3))
-            # The stop agreement is one host-only read site per step, never a device read.
+            _check(run, 0, logs_every(3))
+            # The stop agreement is a host-only read, never a device read: the flags all-reduced after step
+            # k are read at the boundary of step k+1 (and the last step's after the loop).
             for step, reads in run["all"].items():
-                assert any(k.startswith("loop.py:agree_to_stop") for k in reads), (step, reads)
+                assert any(k.startswith("stopping.py:_read") for k in reads) == (step > 0), (step, reads)
+
+
+# --------------------------------------------------------------------------- #
+# CUDA: what the counter above infers on the CPU, asserted by torch on a GPU
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_cuda_steps_that_log_nothing_make_no_synchronising_call(precision):
+    """torch's sync debug mode raises on any synchronising CUDA call inside a step that logs nothing.
+
+    Pinned batches (``pin_memory=True``): a copy from pageable host memory
+    synchronises the stream, which is the data's cost, not the step's.
+    """
+
+    class Strict:
+        @unison.hookimpl
+        def unison_on_train_step_start(self, step: int) -> None:
+            # A step's window runs to the next step's start; steps 4 and 9 log (and read) at their end, and
+            # step 0 sets up the optimizer state and the flag's pinned buffer.
+            torch.cuda.set_sync_debug_mode("error" if step > 0 and (step + 1) % 5 else "default")
+
+        @unison.hookimpl
+        def unison_on_fit_end(self) -> None:
+            torch.cuda.set_sync_debug_mode("default")
+
+    trainer = unison.Trainer(
+        strategy="single",
+        accelerator="cuda",
+        precision=precision,
+        callbacks=[Strict()],
+        loggers=False,
+        throughput=False,
+        progress="off",
+        pin_memory=True,
+        max_steps=10,
+        global_batch_size=16,
+        accumulate_grad_batches=2,
+        grad_clip_norm=0.5,
+        log_every_n_steps=5,
+    )
+    try:
+        trainer.fit(
+            mlp(),
+            regression_data(n=512),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        )
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert trainer.progress.global_step == 10

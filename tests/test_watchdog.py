@@ -220,11 +220,11 @@ def test_a_sigstopped_rank_ends_the_job_in_seconds_with_code_3_and_auto_resume_i
         took = stalled["ended"] - stalled["frozen_at"]
         assert took < 40, f"the job ended {took:.1f} s after rank 1 froze"
         # Rank 0 names rank 1 and where both are, then prints its Python stacks: its main thread waits in
-        # the step-7 stop agreement for rank 1.
+        # the gradient all-reduce of step 7 for rank 1 (the stop agreement after step 6 does not block).
         assert "unison: rank 0: stalled rank 1 (pid " in err, err[-4000:]
-        assert "rank 0 (this one) at step 6 (stop_agreement)" in err
+        assert "rank 0 (this one) at step 7 (forward_backward)" in err
         report0 = err[err.index("unison: rank 0: stalled rank 1") :]
-        assert "most recent call first" in report0 and "in agree_to_stop" in report0
+        assert "most recent call first" in report0 and "in forward_backward" in report0
         # Rank 1, continued, says it was frozen (in step 6: it may have moved on to the next phase by the
         # time its watchdog thread runs) and prints its own stacks.
         assert "unison: rank 1: rank 1 was frozen for " in err and "s at step 6 (" in err

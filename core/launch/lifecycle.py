@@ -18,8 +18,9 @@
 
 Why the stop is agreed collectively: a scheduler may signal one rank (one
 node) only, or the ranks at different moments. Every rank all-reduces its
-flag at each step boundary, so all ranks stop after the same optimizer step
-and write one consistent checkpoint.
+flag at each step boundary, without waiting for it until the next one
+(:mod:`unison.training.stopping`), so all ranks stop after the same optimizer
+step, one step after the signal, and write one consistent checkpoint.
 """
 
 from __future__ import annotations
@@ -178,7 +179,8 @@ class RunGuard:
         """On every rank, once the trainer agreed on a stop request: commit a checkpoint, raise :class:`Preempted`.
 
         Called at an optimizer-step boundary by the trainer (which agrees on
-        the request with one all-reduce shared with ``should_stop``). The
+        the request with the all-reduce that carries ``should_stop``;
+        :class:`~unison.training.stopping.StopAgreement`). The
         checkpoint is written only with a ``checkpoint_dir`` and only when this
         step is not committed already (a periodic save just did it).
         """

@@ -51,9 +51,12 @@ it is not part of the order every backend shares).
 A plugin that sets ``trainer.should_stop`` ends the loop after the current
 step's validation and checkpoint; the final validation and checkpoint then do
 not run again for that step. The flag may be set on any subset of ranks (a
-per-rank wall-clock limit sets it on one): at every step boundary the trainer
-combines every rank's flag (logical OR, on a CPU process group), so all ranks
-stop after the same step. Stop decisions the trainer makes itself (a
+per-rank wall-clock limit sets it on one): the trainer combines every rank's
+flag (logical OR, on a CPU process group), so all ranks stop after the same
+step. In a world that is one step later: the flags of step k's boundary are
+all-reduced without blocking and read at step k+1's, so the loop ends after
+step k+1, unless step k saves a checkpoint, which agrees at once
+(:mod:`unison.training.stopping`). Stop decisions the trainer makes itself (a
 non-finite loss or gradient, preemption) are agreed the same way or computed
 from values identical on every rank. When ``fit`` fails, ``unison_on_exception``
 fires instead of the rest, on the failing rank.
@@ -296,7 +299,8 @@ def unison_on_train_step_end(trainer: Trainer, step: int, output: StepOutput) ->
     ``output`` holds the global-batch mean loss, each micro-batch's loss (the
     same numbers on every rank), the grad norm, the learning rates and whether
     the step was skipped. A plugin may set ``trainer.should_stop = True`` here
-    (on one rank or on all) to end training after this step on every rank.
+    (on one rank or on all) to end training after this step on every rank (in
+    a world after the next step, unless this one saves a checkpoint).
     """
 
 

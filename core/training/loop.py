@@ -8,14 +8,20 @@ norm, the non-finite check, the optimizer and scheduler steps. After each
 step the loop logs, asks the :class:`~unison.training.validation.Validator`
 and the :class:`~unison.training.checkpointing.CheckpointManager` whether to
 validate and save, and every rank agrees whether to stop
-(:meth:`TrainLoop.agree_to_stop`). Hooks fire with the trainer, in the order
-:mod:`unison.plugin.hookspecs` documents.
+(:class:`~unison.training.stopping.StopAgreement`: started after one step,
+waited for after the next, so in a world a stop takes effect one step later).
+Hooks fire with the trainer, in the order :mod:`unison.plugin.hookspecs`
+documents.
+
+A step that logs nothing reads nothing from the device in fp32 and bf16 with
+``nonfinite="raise"`` or ``"continue"``: the ``raise`` check is read one step
+late (:class:`~unison.training.nonfinite.NonFiniteCheck`). ``"skip"`` and a
+loss-scaling precision read one value per step: the skip decision.
 """
 
 from __future__ import annotations
 
 import contextlib
-import signal
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +29,9 @@ import torch
 
 from unison.contract.ownership import AccumulationOwner, GradSync
 from unison.errors import ConfigurationError
+from unison.training.nonfinite import NonFiniteCheck
 from unison.training.outputs import NonFiniteError, StepOutput
+from unison.training.stopping import StopAgreement
 
 if TYPE_CHECKING:
     from unison.launch.lifecycle import RunGuard
@@ -54,10 +62,12 @@ class TrainLoop:
         self.validator = validator
         self.checkpoints = checkpoints
         self.metrics = metrics
-        #: The fit's stop-request guard, progress watchdog and CPU control group (``None`` at world 1).
-        self.guard = guard
+        #: The fit's progress watchdog.
         self.watchdog = watchdog
-        self.control_group = control_group
+        #: Every rank's stop flags (``should_stop``, ``guard``'s stop requests), agreed over the CPU control group.
+        self.stop = StopAgreement(trainer, guard, control_group)
+        #: ``nonfinite="raise"``: each step's finiteness, read one step late.
+        self.nonfinite = NonFiniteCheck(trainer, self.stop, control_group)
         #: Optimizer steps skipped in a row; ``max_consecutive_skips`` of them stop training.
         self.consecutive_skips = 0
 
@@ -79,44 +89,28 @@ class TrainLoop:
             watchdog.mark(step, "step_end")
             hook.unison_on_train_step_end(trainer=trainer, step=step, output=output)
             if done % s.log_every_n_steps == 0:
+                self.nonfinite.resolve()  # the metrics read the device anyway: a non-finite step is never logged
                 self.metrics.log_step(output)
             if batch.last_in_epoch:
                 hook.unison_on_train_epoch_end(trainer=trainer, epoch=epoch)
+            watchdog.mark(step, "stop_agreement")
+            self.stop.collect()  # the previous boundary's agreement: none in flight during validation or a save
             if self.validator.should_validate(done):
                 watchdog.mark(step, "validation")
+                self.nonfinite.resolve()
                 trainer.validate()
                 self.validator.last_validated = done
-            if self.checkpoints.should_save(done):
+            saved = self.checkpoints.should_save(done)
+            if saved:
                 watchdog.mark(step, "checkpoint")
-                trainer.save_checkpoint()
+                trainer.save_checkpoint()  # resolves the non-finite check first
             watchdog.mark(step, "stop_agreement")
-            if self.agree_to_stop():
+            if self.stop.agree(now=saved):
                 break
             watchdog.mark(done, "data")
-
-    def agree_to_stop(self) -> bool:
-        """Combine every rank's ``should_stop`` and stop request (signal) at the step boundary.
-
-        Any rank stopping stops all, after the same optimizer step: one small
-        all-reduce on the CPU control group carries both flags. A stop request
-        (SIGTERM/SIGUSR1 on any rank) commits a checkpoint and raises
-        :class:`~unison.launch.lifecycle.Preempted` on every rank.
-        """
-        trainer = self.trainer
-        env, guard = trainer.env, self.guard
-        requested = guard.received if guard is not None else None
-        if env is not None and env.distributed and env.world_size > 1:
-            signum = guard.signum if guard is not None else 0
-            flags = torch.tensor([float(trainer.should_stop), float(requested is not None), float(signum)])
-            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.control_group)
-            trainer.should_stop = bool(flags[0].item())
-            if flags[1].item() and requested is None:
-                # Every rank names the signal, whichever rank it reached first.
-                shared = int(flags[2].item())
-                requested = signal.Signals(shared).name if shared else "a stop request on another rank"
-        if requested is not None and guard is not None:
-            guard.preempt(trainer, requested)
-        return trainer.should_stop
+        # Nothing left in flight: the last boundary's stop agreement (a request in it preempts), the last check.
+        self.stop.finish()
+        self.nonfinite.resolve()
 
     # -- one optimizer step -------------------------------------------------- #
     def train_step(self, batch: Any) -> StepOutput:
@@ -145,12 +139,15 @@ class TrainLoop:
         grad_norm = strategy.clip_grad_norm(s.grad_clip_norm).detach()
         lrs = [float(g["lr"]) for g in strategy.optimizer.param_groups]  # type: ignore[union-attr]
         finite = True
-        if precision.skips_overflow or trainer.nonfinite != "continue":
-            # One device-to-host read: the global norm and the replica-averaged
-            # losses are the same on every rank, so every rank decides alike.
+        if precision.skips_overflow or trainer.nonfinite == "skip":
+            # One device-to-host read: whether to skip must be known before the optimizer step. The global
+            # norm and the replica-averaged losses are the same on every rank, so every rank decides alike.
             finite = bool(torch.isfinite(grad_norm) & torch.isfinite(micro).all())
-            if not finite and not precision.skips_overflow and trainer.nonfinite == "raise":
-                self.raise_nonfinite(step, local[: len(losses)], grad_norm)
+        elif trainer.nonfinite == "raise":
+            # No read now: the previous step's flag is read (naming its step) while this step's work is queued.
+            self.nonfinite.resolve()
+            finite_now = torch.isfinite(grad_norm) & torch.isfinite(micro).all()
+            self.nonfinite.record(step, finite_now, local[: len(losses)], grad_norm)
         hook.unison_on_before_optimizer_step(trainer=trainer, step=step, grad_norm=grad_norm)
         if finite or precision.skips_overflow:
             skipped = precision.step(strategy.optimizer_step, strategy.optimizer, finite)
@@ -180,30 +177,6 @@ class TrainLoop:
         else:
             progress.skipped_steps += 1
             self.consecutive_skips += 1
-
-    def raise_nonfinite(self, step: int, local: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Raise on every rank, naming the first micro-batch and rank whose loss was non-finite."""
-        trainer = self.trainer
-        env = trainer.env
-        assert env is not None
-        flags = [bool(torch.isfinite(v)) for v in local.cpu()]
-        per_rank: list[Any] = [flags]
-        if env.distributed and env.world_size > 1:
-            per_rank = [None] * env.world_size
-            torch.distributed.all_gather_object(per_rank, flags, group=self.control_group)
-        where = next(
-            (f"micro-batch {m} on rank {r}" for m in range(len(flags)) for r, f in enumerate(per_rank) if not f[m]),
-            None,
-        )
-        what = (
-            f"the loss was non-finite first at {where}"
-            if where is not None
-            else f"the losses were finite but the global grad norm is {float(grad_norm)}"
-        )
-        raise NonFiniteError(
-            f"step {step}: {what}; no optimizer step or checkpoint was taken from it. Fix: check the data and the loss "
-            "for NaN/inf (or pass nonfinite='skip' to skip such steps, or 'continue' to train on)"
-        )
 
     def forward_backward(self, micro_batches: Sequence[Any]) -> list[torch.Tensor]:
         """Forward and backward over one step's micro-batches, fed as the strategy's accumulation declares.

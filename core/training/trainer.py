@@ -103,10 +103,11 @@ class Trainer:
         progress_every_n_steps: steps between plain progress lines; ``None`` prints about 20 per run.
         throughput: log step time, samples/s, tokens/s and peak memory (the default Throughput callback).
         nonfinite: a non-finite loss or grad norm in a precision without loss scaling: ``"raise"``
-            (every rank stops at that step with :class:`NonFiniteError`, before the optimizer step, so
-            no checkpoint holds non-finite weights; one device-to-host read per step), ``"skip"`` (the
-            step and the scheduler step are skipped, counted in ``progress.skipped_steps``) or
-            ``"continue"`` (no check).
+            (every rank raises :class:`NonFiniteError` naming that step; the check is read one step
+            late, so no step waits for the device: the step's update has run in memory, but no
+            checkpoint or validation uses it and no logger receives its metrics), ``"skip"`` (the step and the
+            scheduler step are skipped, counted in ``progress.skipped_steps``; one device-to-host read
+            per step, to decide before the update) or ``"continue"`` (no check).
         max_consecutive_skips: skipped steps in a row (fp16 overflows, or ``nonfinite="skip"``) after
             which training stops with :class:`NonFiniteError` instead of skipping forever.
         stall_timeout_s: seconds a rank's heartbeat may stop before every live rank names it, dumps its
@@ -209,7 +210,9 @@ class Trainer:
         self.progress = Progress()
         #: Set by a plugin to end training after the current step. Every
         #: rank's flag is combined at the step boundary: one rank asking
-        #: stops all ranks at the same step.
+        #: stops all ranks after the same step, in a world one step later
+        #: (after step k+1 for a flag set during step k, unless step k saves
+        #: a checkpoint; :mod:`unison.training.stopping`).
         self.should_stop = False
         self.env: DistEnv | None = None
         self.precision: Precision | None = None
@@ -324,8 +327,10 @@ class Trainer:
         setting up ...`` line (global rank 0, stderr; none with
         ``progress="off"``).
 
-        On SIGTERM or SIGUSR1 every rank finishes the current optimizer step,
-        a checkpoint is committed (with ``checkpoint_dir``) and ``fit`` raises
+        On SIGTERM or SIGUSR1 every rank finishes the current optimizer step
+        (in a world, the next one too, unless the current one saves a
+        checkpoint: the ranks agree without blocking, one step late), a
+        checkpoint is committed (with ``checkpoint_dir``) and ``fit`` raises
         :class:`unison.launch.lifecycle.Preempted`, a ``SystemExit`` with code 75.
 
         Returns:
@@ -504,9 +509,13 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         """Write and commit a checkpoint for the current step (collective, atomic, verified on load).
 
-        What it holds: :mod:`unison.training.checkpointing`.
+        What it holds: :mod:`unison.training.checkpointing`. A step whose non-finite
+        check is still unread (``nonfinite="raise"`` reads it one step late) is
+        read first: a non-finite one raises :class:`NonFiniteError` and nothing is written.
         """
         assert self._checkpoints is not None and self.checkpointer is not None
+        if self._loop is not None:
+            self._loop.nonfinite.resolve()
         path = self._checkpoints.save()
         retries = getattr(self.checkpointer.storage, "retries", None)
         if retries is not None:  # object storage: calls retried after transient failures, so far in this run

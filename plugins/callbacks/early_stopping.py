@@ -5,9 +5,10 @@ metric (``val/loss`` by default; any metric the trainer or a plugin logs). A
 value improves when it beats the best so far by more than ``min_delta``
 (lower for ``mode="min"``, higher for ``"max"``); after ``patience``
 consecutive checks without improvement it sets ``trainer.should_stop``, and the
-trainer ends the fit after the current step (every rank stops at the same
-step: the trainer combines every rank's flag at the step boundary, and the
-trainer's own metrics are already the same on every rank).
+trainer ends the fit after the current step, in a world after the next one
+(every rank stops at the same step: the trainer combines every rank's flag,
+one step late unless the step saves a checkpoint, and the trainer's own
+metrics are already the same on every rank).
 
 Its state (best value, checks without improvement) is saved in checkpoints, so
 a resumed run keeps counting where it stopped.

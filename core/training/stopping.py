@@ -1,0 +1,131 @@
+"""Every rank's wish to stop, agreed without a blocking collective per step.
+
+A rank may want to stop on its own: a plugin sets ``trainer.should_stop`` (a
+per-rank wall-clock limit, early stopping), or a stop signal reaches it
+(SIGTERM/SIGUSR1, held by :class:`~unison.launch.lifecycle.RunGuard`). Every
+rank must still stop after the same optimizer step and, for a signal, commit
+one checkpoint and raise :class:`~unison.launch.lifecycle.Preempted` on every
+rank. In a world the flags ``[should_stop, stop requested, signal number]``
+are all-reduced (MAX) on the CPU control group, and when:
+
+* After step k the all-reduce is *started* (``async_op=True``) and training
+  goes on; it is waited for at the boundary of step k+1, before that step's
+  validation and checkpoint, so no other collective of the trainer starts on
+  the group while it is in flight. A stop asked for during step k therefore
+  stops every rank after step k+1: a one-step lag, the price of taking the
+  collective off the critical path (a blocking all-reduce at every boundary
+  waits for the slowest rank, 0.5-0.9 ms a step on the benchmark machine).
+* A boundary that saved a checkpoint, and one whose waited flags ask to stop,
+  agree at once on the current flags (one blocking all-reduce, where the
+  step blocks anyway): a stop asked for by a saving step stops there, so a
+  preemption commits that step's checkpoint and not a second one a step
+  later, and the final decision (stop, and whether a signal reached any rank)
+  is the one every rank takes.
+* After the last step (``max_steps`` or the end of the data) the outstanding
+  agreement is waited for; a stop request in it still commits a checkpoint
+  and raises ``Preempted`` on every rank. A request that reaches a rank after
+  the last boundary is not seen, as before any agreement.
+
+At world 1 the local flags decide at every boundary: no collective, no lag.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from unison.launch.lifecycle import RunGuard
+    from unison.training.trainer import Trainer
+
+__all__ = ["StopAgreement"]
+
+
+class StopAgreement:
+    """One fit's stop agreement over ``control_group`` (the fit's CPU group; ``None``: the default group)."""
+
+    def __init__(self, trainer: Trainer, guard: RunGuard | None, control_group: Any) -> None:
+        self.trainer, self.guard, self.group = trainer, guard, control_group
+        #: The all-reduce started at the last boundary and its flags tensor, until waited for.
+        self._pending: tuple[Any, torch.Tensor] | None = None
+        #: Flags of the last waited all-reduce, until a boundary decides on them.
+        self._agreed: torch.Tensor | None = None
+
+    @property
+    def collective(self) -> bool:
+        env = self.trainer.env
+        return env is not None and env.distributed and env.world_size > 1
+
+    def collect(self) -> None:
+        """Wait for the all-reduce started at the previous boundary (if one is in flight) and keep its flags.
+
+        Called before anything else runs a collective of the trainer's on the
+        control group: a boundary's validation and checkpoint, the non-finite
+        error's gather. Every rank started it at the same boundary.
+        """
+        if self._pending is None:
+            return
+        work, flags = self._pending
+        self._pending = None
+        work.wait()
+        self._agreed = flags
+
+    def agree(self, *, now: bool = False) -> bool:
+        """At a step boundary, after its validation and checkpoint: whether every rank stops after this step.
+
+        ``now``: agree on the current flags at once (the step saved a
+        checkpoint). On a stop request the checkpoint is committed and
+        ``Preempted`` raised here, on every rank.
+        """
+        if not self.collective:
+            return self._decide(None)
+        self.collect()
+        agreed, self._agreed = self._agreed, None
+        flags = self._local()
+        if now or (agreed is not None and any(self._read(agreed)[:2])):
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group)
+            return self._decide(flags if agreed is None else torch.maximum(flags, agreed))
+        work = torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = (work, flags)
+        return False
+
+    def finish(self) -> None:
+        """After the loop: wait for the last boundary's all-reduce and honour a stop request it carries."""
+        self.collect()
+        agreed, self._agreed = self._agreed, None
+        if agreed is not None:
+            self._decide(agreed)
+
+    def _local(self) -> torch.Tensor:
+        guard = self.guard
+        requested = guard is not None and guard.received is not None
+        signum = guard.signum if guard is not None else 0
+        return torch.tensor([float(self.trainer.should_stop), float(requested), float(signum)])
+
+    @staticmethod
+    def _read(flags: torch.Tensor) -> tuple[bool, bool, int]:
+        """The agreed ``(should_stop, stop requested, signal number)``: a CPU tensor read on the host."""
+        stop, requested, signum = flags.tolist()
+        return bool(stop), bool(requested), int(signum)
+
+    def _decide(self, flags: torch.Tensor | None) -> bool:
+        """Act on agreed ``flags`` (``None``: this rank's own, at world 1): preempt on a request, else stop or not.
+
+        Only the agreed flags decide whether a request stops the run, so every
+        rank acts alike; this rank's own signal, when it has one, names it.
+        """
+        trainer, guard = self.trainer, self.guard
+        requested = guard.received if guard is not None else None
+        if flags is not None:
+            stop, asked, signum = self._read(flags)
+            trainer.should_stop = stop
+            if not asked:
+                requested = None
+            elif requested is None:
+                # Every rank names the signal, whichever rank it reached first.
+                requested = signal.Signals(signum).name if signum else "a stop request on another rank"
+        if requested is not None and guard is not None:
+            guard.preempt(trainer, requested)
+        return trainer.should_stop

@@ -1,0 +1,62 @@
+"""A stop wished for on one rank stops every rank after the same step, on every backend family (2 gloo ranks).
+
+In a world the ranks agree without blocking: the flags all-reduced after step
+k are read after step k+1, so a ``should_stop`` or a signal during step 2
+stops every rank after step 3 (``global_step`` 4); a step that saves a
+checkpoint agrees at once, so a signal during step 3, which saves, stops there
+(:mod:`unison.training.stopping`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from unison.checkpointing.checkpointer import Checkpointer
+from unison.checkpointing.manifest import verify
+from unison.checkpointing.storage import LocalStorage
+from unison.launch.torchrun import spawn
+
+from fail_worlds import stop_world
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
+
+FAMILIES = ("ddp", "fsdp", "zero2", "pipeline")
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict]:
+    return spawn(stop_world, 2, FAMILIES, timeout=500)
+
+
+@pytest.mark.parametrize("strategy", FAMILIES)
+def test_should_stop_on_one_rank_stops_every_rank_one_step_later(world, strategy):
+    runs = [rank[strategy]["should_stop"] for rank in world]
+    for run in runs:
+        assert run["preempted"] is None
+        assert run["global_step"] == 4 and run["steps"] == [0, 1, 2, 3], run
+    # the end of fit saved the step every rank stopped at, once
+    assert runs[0]["checkpoints"] == ["step-00000004"]
+
+
+@pytest.mark.parametrize("strategy", FAMILIES)
+def test_a_signal_to_one_rank_preempts_every_rank_after_the_same_step_with_one_checkpoint(world, strategy):
+    runs = [rank[strategy]["signal"] for rank in world]
+    for run in runs:
+        # every rank names the signal, the one that received it and the one that heard of it
+        assert run["preempted"] is not None and run["preempted"]["signal"] == "SIGUSR1", run
+        assert run["preempted"]["step"] == run["global_step"] == 4 and run["steps"] == [0, 1, 2, 3]
+        assert run["preempted"]["checkpoint"] == str(Path(run["root"]) / "step-00000004")
+    assert runs[0]["checkpoints"] == ["step-00000004"]
+    latest = Checkpointer(Path(runs[0]["root"])).latest()
+    assert latest is not None and verify(LocalStorage(), latest).step == 4  # committed: every rank's part
+
+
+@pytest.mark.parametrize("strategy", FAMILIES)
+def test_a_signal_during_a_saving_step_stops_there_without_a_second_checkpoint(world, strategy):
+    runs = [rank[strategy]["signal_at_save"] for rank in world]
+    for run in runs:
+        assert run["preempted"] is not None and run["preempted"]["signal"] == "SIGUSR1", run
+        assert run["preempted"]["step"] == run["global_step"] == 4
+    assert runs[0]["checkpoints"] == ["step-00000002", "step-00000004"]
