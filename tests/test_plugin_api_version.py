@@ -7,6 +7,7 @@ The 1.x strategy below is the one the strategy-plugin page showed before the tem
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 import warnings
@@ -108,7 +109,7 @@ def test_versions_are_declared_or_read_from_setup():
             super().setup(module, make_optimizer, env=env, precision=precision, settings=settings)
 
     v1 = _module("v1_read", V1_PLUGIN).MyStrategy
-    assert target_version(_Current) == target_version(Undeclared) == target_version(OwnSetupWithEnv) == "2.0"
+    assert target_version(_Current) == target_version(Undeclared) == target_version(OwnSetupWithEnv) == API_VERSION
     assert target_version(v1) == "1.0"
     for cls in (_Current, Undeclared, OwnSetupWithEnv):
         check_strategy_class(cls, plugin="test")  # no error, no warning
@@ -123,7 +124,9 @@ def test_a_declared_older_or_newer_version_is_refused():
 
     with pytest.raises(unison.PluginError, match=r"targets plugin API 1\.2.*Migrate: delete your setup"):
         check_strategy_class(Old, plugin="test")
-    with pytest.raises(unison.PluginError, match=r"targets plugin API 9\.0, newer than this unison's 2\.0"):
+    with pytest.raises(
+        unison.PluginError, match=rf"targets plugin API 9\.0, newer than this unison's {re.escape(API_VERSION)}"
+    ):
         check_strategy_class(New, plugin="test")
 
 
@@ -145,16 +148,20 @@ def test_a_signature_mismatch_names_the_method_and_both_signatures():
 
 def test_a_deprecated_change_warns_until_it_is_removed():
     # A synthetic future change: API 2.1 deprecates something 2.0 plugins do, removed in 3.0.
+    # A plugin written for 2.0, judged by a unison at 2.0, 2.1 and 3.0.
+    class Written20(_Current):
+        api_version = "2.0"
+
     future = (*MIGRATIONS, Migration("2.1", "the thing 2.0 did", "do the other thing", removed_in="3.0"))
     with pytest.warns(
         DeprecationWarning, match=r"the thing 2\.0 did \(deprecated since API 2\.1, removed in API 3\.0\)"
     ):
-        check_strategy_class(_Current, plugin="test", api_version="2.1", migrations=future)
+        check_strategy_class(Written20, plugin="test", api_version="2.1", migrations=future)
     with pytest.raises(unison.PluginError, match="Migrate: do the other thing"):
-        check_strategy_class(_Current, plugin="test", api_version="3.0", migrations=future)
+        check_strategy_class(Written20, plugin="test", api_version="3.0", migrations=future)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_strategy_class(_Current, plugin="test", api_version="2.0", migrations=future)
+        check_strategy_class(Written20, plugin="test", api_version="2.0", migrations=future)
 
 
 def test_setup_runs_the_hooks_in_order_and_sets_the_attributes():

@@ -32,8 +32,9 @@ from typing import Any
 from unison.errors import PluginError
 
 #: The strategy plugin API this unison speaks. 1.x: ``setup(module, make_optimizer, *, precision, settings)``
-#: implemented by every strategy; 2.0: ``setup`` is a template method taking ``env=``, strategies implement hooks.
-API_VERSION = "2.0"
+#: implemented by every strategy; 2.0: ``setup`` is a template method taking ``env=``, strategies implement hooks;
+#: 2.1 (additive): ``Ownership.mesh`` declares a composed strategy's device mesh (:mod:`unison.contract.mesh`).
+API_VERSION = "2.1"
 
 
 @dataclass(frozen=True)

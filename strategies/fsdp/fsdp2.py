@@ -92,7 +92,6 @@ class FSDP2Strategy(ShardedStrategy):
         # Its own setup: mesh, per-unit sharding policies and the root are one sequence.
         self.env = env = env or self.env
         assert env is not None
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             MixedPrecisionPolicy,
@@ -101,7 +100,7 @@ class FSDP2Strategy(ShardedStrategy):
         )
 
         module = module.to(env.device)
-        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        mesh = self._device_mesh(env)
         self._policy_precision = precision.support.owner is PrecisionOwner.SHARDING_POLICY
         inner_mp = root_mp = MixedPrecisionPolicy()
         if self._policy_precision:
@@ -121,6 +120,12 @@ class FSDP2Strategy(ShardedStrategy):
         fully_shard(module, mp_policy=root_mp, **common)
         self.module = self.model = module
         self.optimizer = make_optimizer(module.parameters())
+
+    def _device_mesh(self, env: DistEnv) -> Any:
+        """The mesh ``fully_shard`` shards over: 1-D, the whole world (``hsdp`` makes it 2-D)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(env.device.type, (env.world_size,))
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
