@@ -4,7 +4,10 @@ Models (all tiny, all built from one seed; the ``replica_init`` scenarios then
 perturb every rank but 0 on purpose):
 
 * ``mlp``: three ``Linear`` layers with ``Tanh``; an ``nn.Sequential`` so that
-  pipeline strategies can split it.
+  pipeline strategies can split it, with a tensor-parallel plan (``tp_plan``,
+  :data:`MLP_TP_PLAN`) so that tensor-parallel strategies can split it too
+  (``frozen``, ``groups`` and ``offset`` are built on it and keep the plan;
+  the BatchNorm and tied models have none).
 * ``batchnorm``: an MLP with a :class:`DriftingBatchNorm1d`, whose buffers
   (running statistics and a step counter) change at every training forward,
   identically on every rank and in the reference.
@@ -101,14 +104,22 @@ class TiedAutoencoder(torch.nn.Module):
         return self.head(torch.tanh(self.decoder(torch.tanh(self.encoder(x)))))
 
 
+#: The tensor-parallel plan of the MLP-based models (Megatron's MLP pairing: the first Linear split by
+#: output features, the second by input features, the head whole); strategies without tensor parallel
+#: ignore it.
+MLP_TP_PLAN = {"0": "colwise", "2": "rowwise"}
+
+
 def _mlp() -> torch.nn.Sequential:
-    return torch.nn.Sequential(
+    model = torch.nn.Sequential(
         torch.nn.Linear(IN_FEATURES, HIDDEN),
         torch.nn.Tanh(),
         torch.nn.Linear(HIDDEN, HIDDEN),
         torch.nn.Tanh(),
         torch.nn.Linear(HIDDEN, 1),
     )
+    model.tp_plan = dict(MLP_TP_PLAN)
+    return model
 
 
 def _batchnorm() -> torch.nn.Sequential:

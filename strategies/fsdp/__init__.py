@@ -1,4 +1,4 @@
-"""``fsdp`` (FSDP2, ``fully_shard``), ``hsdp`` (FSDP2 on a replicate x shard mesh) and ``fsdp1``.
+"""``fsdp`` (FSDP2, ``fully_shard``), ``hsdp`` (replicate x shard), ``fsdp_tp`` (dp x tp) and ``fsdp1``.
 
 Both shard parameters, gradients and optimizer state across the data-parallel
 world (ZeRO-3 style) and keep the trainer in charge of gradient accumulation:
@@ -9,7 +9,8 @@ exactly like ``ddp`` with ``no_sync()``.
 A package by concern: :mod:`.common` holds what both share (options, the
 sharding-unit choice, precision tables, the sharded grad scaler, the base
 :class:`~.common.ShardedStrategy`), :mod:`.fsdp2` and :mod:`.fsdp1` one
-strategy each, :mod:`.hsdp` FSDP2 on a 2-D mesh; this module registers all three.
+strategy each, :mod:`.hsdp` FSDP2 on a 2-D mesh, :mod:`.tensor_parallel` FSDP2 x tensor parallel;
+this module registers all four.
 
 Decisions shared by both:
 
@@ -54,6 +55,7 @@ from unison.strategies.fsdp.common import FSDPOptions
 from unison.strategies.fsdp.fsdp1 import FSDP1Strategy
 from unison.strategies.fsdp.fsdp2 import FSDP2Strategy
 from unison.strategies.fsdp.hsdp import HSDPOptions, HSDPStrategy
+from unison.strategies.fsdp.tensor_parallel import FSDPTPOptions, FSDPTPStrategy
 
 
 @hookimpl
@@ -70,6 +72,12 @@ def unison_strategies() -> list[StrategySpec]:
             factory=HSDPStrategy,
             description="FSDP2 on a 2-D mesh: sharded within groups of shard_size ranks, replicated across them",
             options=HSDPOptions,
+        ),
+        StrategySpec(
+            name="fsdp_tp",
+            factory=FSDPTPStrategy,
+            description="tensor parallel (the model's tp_plan) on a tp mesh dimension, FSDP2 on dp",
+            options=FSDPTPOptions,
         ),
         StrategySpec(
             name="fsdp1",

@@ -100,7 +100,7 @@ class FSDP2Strategy(ShardedStrategy):
         )
 
         module = module.to(env.device)
-        mesh = self._device_mesh(env)
+        mesh = self._shard_mesh(env, module)
         self._policy_precision = precision.support.owner is PrecisionOwner.SHARDING_POLICY
         inner_mp = root_mp = MixedPrecisionPolicy()
         if self._policy_precision:
@@ -121,8 +121,12 @@ class FSDP2Strategy(ShardedStrategy):
         self.module = self.model = module
         self.optimizer = make_optimizer(module.parameters())
 
-    def _device_mesh(self, env: DistEnv) -> Any:
-        """The mesh ``fully_shard`` shards over: 1-D, the whole world (``hsdp`` makes it 2-D)."""
+    def _shard_mesh(self, env: DistEnv, module: torch.nn.Module) -> Any:
+        """The mesh ``fully_shard`` shards over: 1-D, the whole world.
+
+        ``hsdp`` makes it 2-D; ``fsdp_tp`` first applies tensor parallel to ``module`` on its ``tp``
+        dimension and returns the ``dp`` one (torchtitan's order: TP before FSDP).
+        """
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(env.device.type, (env.world_size,))

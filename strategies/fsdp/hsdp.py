@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 import pydantic
+import torch
 
 from unison.contract.env import DistEnv
 from unison.contract.mesh import MeshDim, MeshLayout
@@ -134,7 +135,7 @@ class HSDPStrategy(FSDP2Strategy):
             mesh=self.mesh_layout,
         )
 
-    def _device_mesh(self, env: DistEnv) -> Any:
+    def _shard_mesh(self, env: DistEnv, module: torch.nn.Module) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
         layout = self.mesh_layout
