@@ -26,6 +26,9 @@ perturb every rank but 0 on purpose):
 * ``offset``: the MLP with its output bias at :data:`OUTPUT_OFFSET`, trained on
   targets moved there (``data="offset"``): bf16 rounds its predictions to whole
   numbers, so mixed precision visibly changes training (the precision scenario).
+* ``block``: a transformer block (causal self-attention + MLP, pre-norm, residuals)
+  over the features cut into tokens, with a tensor-parallel plan and pipeline
+  split points (:class:`BlockModel`), so every family runs it.
 * ``groups``: the MLP trained with two parameter groups (matrices: one lr and
   weight decay; vectors: half the lr, no weight decay). Groups are formed by
   ``param.ndim`` because the optimizer factory receives the parameters a
@@ -36,7 +39,7 @@ perturb every rank but 0 on purpose):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -165,6 +168,88 @@ def _offset() -> torch.nn.Sequential:
     return model
 
 
+#: The ``block`` model's sequence: each sample's :data:`IN_FEATURES` features read as ``TOKENS`` tokens.
+TOKENS = 4
+#: The block's width and its attention heads (head size 4; tensor parallel at 2 keeps one head per rank).
+BLOCK_DIM, BLOCK_HEADS = 8, 2
+
+
+class SequenceEmbed(torch.nn.Module):
+    """``(batch, IN_FEATURES)`` -> ``(batch, TOKENS, BLOCK_DIM)``: the features cut into tokens, each projected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(IN_FEATURES // TOKENS, BLOCK_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.reshape(x.shape[0], TOKENS, -1))
+
+
+class TransformerBlock(torch.nn.Module):
+    """A pre-norm transformer block: causal multi-head self-attention, then a tanh MLP, each with a residual.
+
+    The head count is read from the projection's output (``view(..., -1, head_dim)``), so the block runs
+    unchanged when tensor parallel leaves each rank a slice of the heads (``q``/``k``/``v`` split by output
+    features, ``o`` by input features; ``up`` and ``down`` the same way).
+    """
+
+    def __init__(self, dim: int = BLOCK_DIM, heads: int = BLOCK_HEADS, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.q = torch.nn.Linear(dim, dim)
+        self.k = torch.nn.Linear(dim, dim)
+        self.v = torch.nn.Linear(dim, dim)
+        self.o = torch.nn.Linear(dim, dim)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        b, t, _ = h.shape
+        q, k, v = (proj(h).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attended.transpose(1, 2).reshape(b, t, -1))
+        return x + self.down(torch.tanh(self.up(self.norm2(x))))
+
+
+class PoolHead(torch.nn.Module):
+    """Mean over the tokens, then one output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(BLOCK_DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x.mean(dim=1))
+
+
+class BlockModel(torch.nn.Module):
+    """``head(block(embed(x)))``: one transformer block a tensor-parallel strategy can split (its plan,
+    Megatron's: attention projections in colwise, out rowwise; MLP up colwise, down rowwise), a pipeline
+    can cut (``pipeline_layers``), and any data-parallel strategy trains whole."""
+
+    pipeline_layers = ("embed", "block", "head")
+    tp_plan: ClassVar[dict[str, str]] = {
+        "block.q": "colwise",
+        "block.k": "colwise",
+        "block.v": "colwise",
+        "block.o": "rowwise",
+        "block.up": "colwise",
+        "block.down": "rowwise",
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = SequenceEmbed()
+        self.block = TransformerBlock()
+        self.head = PoolHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(x)))
+
+
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "mlp": _mlp,
     "batchnorm": _batchnorm,
@@ -173,6 +258,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "tied": TiedAutoencoder,
     "groups": _mlp,
     "offset": _offset,
+    "block": BlockModel,
 }
 
 
