@@ -27,8 +27,9 @@ perturb every rank but 0 on purpose):
   targets moved there (``data="offset"``): bf16 rounds its predictions to whole
   numbers, so mixed precision visibly changes training (the precision scenario).
 * ``block``: a transformer block (causal self-attention + MLP, pre-norm, residuals)
-  over the features cut into tokens, with a tensor-parallel plan and pipeline
-  split points (:class:`BlockModel`), so every family runs it.
+  over the features cut into tokens, an ``nn.Sequential`` (embed, block, head:
+  pipelines cut it) with a tensor-parallel plan (:func:`_block`), so every
+  family runs it.
 * ``groups``: the MLP trained with two parameter groups (matrices: one lr and
   weight decay; vectors: half the lr, no weight decay). Groups are formed by
   ``param.ndim`` because the optimizer factory receives the parameters a
@@ -39,7 +40,7 @@ perturb every rank but 0 on purpose):
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 
@@ -225,29 +226,29 @@ class PoolHead(torch.nn.Module):
         return self.out(x.mean(dim=1))
 
 
-class BlockModel(torch.nn.Module):
-    """``head(block(embed(x)))``: one transformer block a tensor-parallel strategy can split (its plan,
-    Megatron's: attention projections in colwise, out rowwise; MLP up colwise, down rowwise), a pipeline
-    can cut (``pipeline_layers``), and any data-parallel strategy trains whole."""
+#: The ``block`` model's tensor-parallel plan (Megatron's: attention projections q, k, v colwise, the output
+#: projection rowwise; the MLP's up colwise, down rowwise). Child ``1`` is the block.
+BLOCK_TP_PLAN = {
+    "1.q": "colwise",
+    "1.k": "colwise",
+    "1.v": "colwise",
+    "1.o": "rowwise",
+    "1.up": "colwise",
+    "1.down": "rowwise",
+}
 
-    pipeline_layers = ("embed", "block", "head")
-    tp_plan: ClassVar[dict[str, str]] = {
-        "block.q": "colwise",
-        "block.k": "colwise",
-        "block.v": "colwise",
-        "block.o": "rowwise",
-        "block.up": "colwise",
-        "block.down": "rowwise",
-    }
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = SequenceEmbed()
-        self.block = TransformerBlock()
-        self.head = PoolHead()
+def _block() -> torch.nn.Sequential:
+    """``head(block(embed(x)))`` as an ``nn.Sequential`` (so every pipeline can cut it) with a tensor-parallel
+    plan (:data:`BLOCK_TP_PLAN`); data-parallel strategies train it whole.
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.block(self.embed(x)))
+    Its children keep the Sequential's index names, as the other models do: ``deepspeed_pipeline``
+    exports a Sequential's state under the indices of its layer list, so named children would come back
+    under other keys (the suite fails that as "state_dict keys").
+    """
+    model = torch.nn.Sequential(SequenceEmbed(), TransformerBlock(), PoolHead())
+    model.tp_plan = dict(BLOCK_TP_PLAN)
+    return model
 
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
@@ -258,7 +259,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "tied": TiedAutoencoder,
     "groups": _mlp,
     "offset": _offset,
-    "block": BlockModel,
+    "block": _block,
 }
 
 
