@@ -29,7 +29,7 @@ import torch.distributed as dist
 from benchmarks.workload import Workload, run_unison, steady_step_time
 
 SCALING = ("ddp", "fsdp")
-MEMORY = ("ddp", "torch_zero", "zero1", "zero2", "zero3", "fsdp")
+MEMORY = ("ddp", "torch_zero", "zero1", "zero2", "zero3", "fsdp", "hsdp")
 
 #: (parameters, gradients, optimizer state) bytes per parameter, as functions of N, fp32 + Adam.
 ZERO_FORMULA = {
@@ -40,6 +40,8 @@ ZERO_FORMULA = {
     "zero2": (lambda n: 4.0, lambda n: 4.0 / n, lambda n: 12.0 / n),
     "zero3": (lambda n: 4.0 / n, lambda n: 4.0 / n, lambda n: 12.0 / n),
     "fsdp": (lambda n: 4.0 / n, lambda n: 4.0 / n, lambda n: 8.0 / n),
+    # hsdp shards over its shard group only (shard_size, default 2; memory runs at world 2 and 4), S = min(N, 2).
+    "hsdp": (lambda n: 4.0 / min(n, 2), lambda n: 4.0 / min(n, 2), lambda n: 8.0 / min(n, 2)),
 }
 ZERO_FORMULA_TEXT = {
     "ddp": "4Ψ + 4Ψ + 8Ψ",
@@ -48,6 +50,7 @@ ZERO_FORMULA_TEXT = {
     "zero2": "4Ψ + 4Ψ/N + 12Ψ/N",
     "zero3": "(4+4+12)Ψ/N",
     "fsdp": "(4+4+8)Ψ/N",
+    "hsdp": "(4+4+8)Ψ/S, S = shard_size = 2",
 }
 
 

@@ -150,6 +150,10 @@ def execute_run(
             accumulation_owner=trainer.ownership.grad_accumulation.owner.value,
             accumulation_sync=trainer.ownership.grad_accumulation.sync.value,
             world_size=torch.distributed.get_world_size() if dist_on else 1,
+            # Replicas that synchronise gradients (a tensor-parallel or pipeline world has fewer than ranks).
+            data_parallel_size=trainer.strategy.data_parallel_size(torch.distributed.get_world_size())
+            if dist_on
+            else 1,
             collectives=analyse_collectives(prof_box[0].events()) if prof_box else None,
             state=trainer.full_state_dict(),
             buffer_snapshots=recorder.buffer_snapshots,

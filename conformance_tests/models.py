@@ -4,7 +4,10 @@ Models (all tiny, all built from one seed; the ``replica_init`` scenarios then
 perturb every rank but 0 on purpose):
 
 * ``mlp``: three ``Linear`` layers with ``Tanh``; an ``nn.Sequential`` so that
-  pipeline strategies can split it.
+  pipeline strategies can split it, with a tensor-parallel plan (``tp_plan``,
+  :data:`MLP_TP_PLAN`) so that tensor-parallel strategies can split it too
+  (``frozen``, ``groups`` and ``offset`` are built on it and keep the plan;
+  the BatchNorm and tied models have none).
 * ``batchnorm``: an MLP with a :class:`DriftingBatchNorm1d`, whose buffers
   (running statistics and a step counter) change at every training forward,
   identically on every rank and in the reference.
@@ -25,6 +28,10 @@ perturb every rank but 0 on purpose):
   numbers, so mixed precision visibly changes training (the precision scenario).
 * ``blocks``: an ``nn.Sequential`` of a ``Linear``, two blocks of ``Linear``/``Tanh`` pairs, and a
   ``Linear`` (the activation checkpointing scenario: blocks whose forward is recomputed).
+* ``block``: a transformer block (causal self-attention + MLP, pre-norm, residuals)
+  over the features cut into tokens, an ``nn.Sequential`` (embed, block, head:
+  pipelines cut it) with a tensor-parallel plan (:func:`_block`), so every
+  family runs it.
 * ``groups``: the MLP trained with two parameter groups (matrices: one lr and
   weight decay; vectors: half the lr, no weight decay). Groups are formed by
   ``param.ndim`` because the optimizer factory receives the parameters a
@@ -103,14 +110,22 @@ class TiedAutoencoder(torch.nn.Module):
         return self.head(torch.tanh(self.decoder(torch.tanh(self.encoder(x)))))
 
 
+#: The tensor-parallel plan of the MLP-based models (Megatron's MLP pairing: the first Linear split by
+#: output features, the second by input features, the head whole); strategies without tensor parallel
+#: ignore it.
+MLP_TP_PLAN = {"0": "colwise", "2": "rowwise"}
+
+
 def _mlp() -> torch.nn.Sequential:
-    return torch.nn.Sequential(
+    model = torch.nn.Sequential(
         torch.nn.Linear(IN_FEATURES, HIDDEN),
         torch.nn.Tanh(),
         torch.nn.Linear(HIDDEN, HIDDEN),
         torch.nn.Tanh(),
         torch.nn.Linear(HIDDEN, 1),
     )
+    model.tp_plan = dict(MLP_TP_PLAN)
+    return model
 
 
 def _batchnorm() -> torch.nn.Sequential:
@@ -170,6 +185,86 @@ def _blocks() -> torch.nn.Sequential:
         )
 
     return torch.nn.Sequential(torch.nn.Linear(IN_FEATURES, HIDDEN), block(), block(), torch.nn.Linear(HIDDEN, 1))
+#: The ``block`` model's sequence: each sample's :data:`IN_FEATURES` features read as ``TOKENS`` tokens.
+TOKENS = 4
+#: The block's width and its attention heads (head size 4; tensor parallel at 2 keeps one head per rank).
+BLOCK_DIM, BLOCK_HEADS = 8, 2
+
+
+class SequenceEmbed(torch.nn.Module):
+    """``(batch, IN_FEATURES)`` -> ``(batch, TOKENS, BLOCK_DIM)``: the features cut into tokens, each projected."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(IN_FEATURES // TOKENS, BLOCK_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.reshape(x.shape[0], TOKENS, -1))
+
+
+class TransformerBlock(torch.nn.Module):
+    """A pre-norm transformer block: causal multi-head self-attention, then a tanh MLP, each with a residual.
+
+    The head count is read from the projection's output (``view(..., -1, head_dim)``), so the block runs
+    unchanged when tensor parallel leaves each rank a slice of the heads (``q``/``k``/``v`` split by output
+    features, ``o`` by input features; ``up`` and ``down`` the same way).
+    """
+
+    def __init__(self, dim: int = BLOCK_DIM, heads: int = BLOCK_HEADS, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.norm1 = torch.nn.LayerNorm(dim)
+        self.q = torch.nn.Linear(dim, dim)
+        self.k = torch.nn.Linear(dim, dim)
+        self.v = torch.nn.Linear(dim, dim)
+        self.o = torch.nn.Linear(dim, dim)
+        self.norm2 = torch.nn.LayerNorm(dim)
+        self.up = torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        b, t, _ = h.shape
+        q, k, v = (proj(h).view(b, t, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(attended.transpose(1, 2).reshape(b, t, -1))
+        return x + self.down(torch.tanh(self.up(self.norm2(x))))
+
+
+class PoolHead(torch.nn.Module):
+    """Mean over the tokens, then one output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = torch.nn.Linear(BLOCK_DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x.mean(dim=1))
+
+
+#: The ``block`` model's tensor-parallel plan (Megatron's: attention projections q, k, v colwise, the output
+#: projection rowwise; the MLP's up colwise, down rowwise). Child ``1`` is the block.
+BLOCK_TP_PLAN = {
+    "1.q": "colwise",
+    "1.k": "colwise",
+    "1.v": "colwise",
+    "1.o": "rowwise",
+    "1.up": "colwise",
+    "1.down": "rowwise",
+}
+
+
+def _block() -> torch.nn.Sequential:
+    """``head(block(embed(x)))`` as an ``nn.Sequential`` (so every pipeline can cut it) with a tensor-parallel
+    plan (:data:`BLOCK_TP_PLAN`); data-parallel strategies train it whole.
+
+    Its children keep the Sequential's index names, as the other models do: ``deepspeed_pipeline``
+    exports a Sequential's state under the indices of its layer list, so named children would come back
+    under other keys (the suite fails that as "state_dict keys").
+    """
+    model = torch.nn.Sequential(SequenceEmbed(), TransformerBlock(), PoolHead())
+    model.tp_plan = dict(BLOCK_TP_PLAN)
+    return model
 
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
@@ -181,6 +276,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "groups": _mlp,
     "offset": _offset,
     "blocks": _blocks,
+    "block": _block,
 }
 
 

@@ -124,6 +124,18 @@ SCENARIOS: tuple[Scenario, ...] = (
         accumulate_grad_batches=2,
     ),
     Scenario(
+        "transformer_block",
+        "one transformer block (causal self-attention + MLP, LayerNorm, residuals; split by tensor parallel, "
+        "cut by a pipeline), SGD with momentum, clipping at 1.0, accumulation 2",
+        model="block",
+        # SGD, not Adam: the key projection's bias gets a zero gradient in exact arithmetic (softmax ignores a
+        # shift shared by every key), so its gradient is rounding noise, which Adam's normalised update turns
+        # into lr-sized steps whose sign depends on the summation order (measured: 2.3e-3 apart).
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        grad_clip_norm=1.0,
+    ),
+    Scenario(
         "buffers",
         "BatchNorm buffers (running statistics, step counter) that change at every step, accumulation 2; "
         "compared at every checkpoint and at the end",

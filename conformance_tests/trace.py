@@ -30,6 +30,15 @@ Every run produces a *trace* (a plain dict, JSON-able but for ``state``):
     window runs from the end of the previous micro-step's ``backward`` (or the
     step's start) to the end of its own, so the suite can check the declared
     :class:`~unison.contract.ownership.GradSync` (boundary only, or every micro-step).
+    A ``c10d`` call made inside one of DTensor's functional collectives
+    (``_c10d_functional::*``, e.g. tensor parallel's all-reduce of a row-wise
+    layer's output, or of a column-wise layer's input gradient) is counted
+    apart, as ``functional:<kind>``, and is not a gradient sync: those run in
+    every forward and backward by design and reduce activations, not the
+    parameter gradients ``no_sync()`` defers (FSDP2, DDP and the engines
+    synchronise gradients through ``c10d`` directly). A strategy that
+    synchronised parameter gradients through DTensor redistribution would
+    escape this count; its numbers are still compared.
 ``boundaries``
     for engine-owned accumulation, what ``is_accumulation_boundary()``
     answered at every micro-step.
@@ -64,6 +73,10 @@ NO_SYNC_MARK = "unison.conformance::no_sync"
 
 
 MICRO_MARK = "unison.conformance::backward"
+
+
+#: The namespace of DTensor's functional collectives (``torch.distributed._functional_collectives``).
+FUNCTIONAL_PREFIX = "_c10d_functional::"
 
 
 #: ``c10d`` dispatcher op -> collective kind.
@@ -193,8 +206,11 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
     no_sync: list[tuple[float, float]] = []
     backward_ends: list[float] = []
     calls: list[tuple[float, str]] = []
+    functional: list[tuple[float, float]] = []
     for e in events:
         name = e.name
+        if name.startswith(FUNCTIONAL_PREFIX) and not name.endswith("wait_tensor"):
+            functional.append((e.time_range.start, e.time_range.end))
         if name == STEP_MARK:
             windows.append((e.time_range.start, e.time_range.end))
         elif name == NO_SYNC_MARK:
@@ -205,10 +221,13 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
             op = name[len("c10d::") :]
             calls.append((e.time_range.start, COLLECTIVE_KINDS.get(op, f"other:{op}")))
     windows.sort()
-    total = Counter(kind for _, kind in calls)
 
     def inside(t: float, spans: list[tuple[float, float]]) -> bool:
         return any(a <= t <= b for a, b in spans)
+
+    # Activation collectives of DTensor (tensor parallel): counted apart, never a gradient sync.
+    calls = [(t, f"functional:{kind}" if inside(t, functional) else kind) for t, kind in calls]
+    total = Counter(kind for _, kind in calls)
 
     def grad_syncs(a: float, b: float, *, open_start: bool = False) -> int:
         return sum(

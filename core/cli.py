@@ -105,6 +105,14 @@ def describe(name: str) -> None:
         console.print(
             f"world sizes: at least {ws['minimum']}, multiples of {ws['multiple_of']} – {escape(ws['reason'])}"
         )
+    if d["mesh"] is not None:
+        mesh = Table(title=f"device mesh: {escape(d['mesh']['shape'])} (outermost first)")
+        for col in ("dimension", "size", "splits", "collectives"):
+            mesh.add_column(col)
+        for dim in d["mesh"]["dims"]:
+            size = "rest of the world" if dim["size"] is None else str(dim["size"])
+            mesh.add_row(escape(dim["name"]), size, escape(dim["shards"]), escape(dim["collectives"]))
+        console.print(mesh)
     table = Table(title="precision")
     for col in ("precision", "applied by", "detail"):
         table.add_column(col)

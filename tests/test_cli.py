@@ -136,3 +136,14 @@ def test_example_trains_end_to_end(tmp_path):
     losses = [line["train/loss"] for line in lines if "train/loss" in line]
     assert losses[-1] < losses[0] < 6.0  # it learns from ln(256)=5.5
     assert (tmp_path / "runs/tinylm/version_0/checkpoints/latest").read_text().strip() == "step-00000030"
+
+
+def test_describe_prints_the_mesh_of_a_composed_strategy():
+    out = run("describe", "hsdp")
+    assert out.returncode == 0, out.stderr
+    text = " ".join(out.stdout.split())
+    assert "device mesh: replicate=world/2 x shard=2" in text
+    # Table cells wrap at the terminal's width: look for single words of each row.
+    rows = [line for line in out.stdout.splitlines() if line.startswith("│ replicate") or line.startswith("│ shard")]
+    assert len(rows) == 2 and "all-reduce" in rows[0] and "2" in rows[1].split("│")[2], rows
+    assert "device mesh" not in " ".join(run("describe", "ddp").stdout.split())

@@ -136,6 +136,25 @@ def test_gradient_scale_needs_the_loss_equal_before() -> None:
     assert scale.gradient_scale(evidence("plain", [early_loss, div("grad_norm", got=0.5, expected=1.0)])) is None
 
 
+def test_norm_over_replicated_dim() -> None:
+    hsdp = {"mesh": {"dims": [{"name": "replicate", "size": None}, {"name": "shard", "size": 2}], "shape": "..."}}
+    traces = {"main": {"status": "ok", "steps": steps(), "world_size": 4}}
+
+    def found(ratio: float, ownership: Any = hsdp, losses: tuple[Divergence, ...] = ()) -> Any:
+        e = evidence("plain", [*losses, div("grad_norm", got=ratio, expected=1.0)], traces)
+        e.result.ownership = ownership
+        return scale.norm_over_replicated_dim(e)
+
+    name, _, why = found(2**0.5)
+    assert name == "norm_over_replicated_dim" and "'replicate' or 'shard'" in why and "sqrt(2)" in why
+    assert scale.mesh_dimension_sizes(hsdp, 8) == {"replicate": 4, "shard": 2}
+    assert rule_of(found(2.0, {"mesh": {"dims": [{"name": "replicate", "size": None}, {"name": "shard", "size": 1}]}}))
+    # Near misses: no declared mesh; a ratio no dimension explains; the loss already differs at that step.
+    assert found(2**0.5, ownership={"mesh": None}) is None
+    assert found(1.3) is None
+    assert found(2**0.5, losses=(div("loss", step=1),)) is None
+
+
 def test_tied_weight_twice() -> None:
     norm = div("grad_norm", got=1.3, expected=1.0)
     assert rule_of(scale.tied_weight_twice(evidence("tied_weights", [norm]))) == "tied_weight_twice"

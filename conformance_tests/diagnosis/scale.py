@@ -10,6 +10,7 @@ tied weights is the tied weight counted once per name.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from unison.conformance.diagnosis.evidence import RATIO_MATCH, Evidence, Finding, close
 from unison.conformance.verdict import Divergence
@@ -160,4 +161,48 @@ def tied_weight_twice(e: Evidence) -> Finding | None:
     )
 
 
-__all__ = ["gradient_scale", "hard_coded_divisor", "ratio_pattern", "tied_weight_twice"]
+def mesh_dimension_sizes(ownership: dict[str, Any] | None, world: int) -> dict[str, int]:
+    """Each declared mesh dimension's size at ``world`` ranks (``{}`` without a declared mesh)."""
+    mesh = (ownership or {}).get("mesh")
+    if not mesh:
+        return {}
+    dims = mesh["dims"]
+    fixed = math.prod(d["size"] for d in dims if d["size"] is not None)
+    if not fixed or world % fixed:
+        return {}
+    return {d["name"]: d["size"] if d["size"] is not None else world // fixed for d in dims}
+
+
+def norm_over_replicated_dim(e: Evidence) -> Finding | None:
+    """A declared mesh, and the first grad norm sqrt(k) times the reference's (the loss equal at that step),
+    k the size of a mesh dimension: the squared norm was also summed over k copies of the same gradient."""
+    found = e.first_norm_ratio
+    if found is None:
+        return None
+    d, ratio = found
+    if any(x.run == d.run and x.step == d.step for x in e.losses):
+        return None
+    world = (e.trace_of(d.run) or {}).get("world_size", getattr(e.result, "world_size", 1)) or 1
+    sizes = mesh_dimension_sizes(getattr(e.result, "ownership", None), world)
+    dims = [name for name, k in sizes.items() if k > 1 and close(ratio, math.sqrt(k))]
+    if not dims:
+        return None
+    k = sizes[dims[0]]
+    return (
+        "norm_over_replicated_dim",
+        d,
+        f"with the loss equal, the global grad norm is {ratio:.4g}x the reference's, sqrt({k}) with {k} the size of "
+        f"mesh dimension {' or '.join(map(repr, dims))}: the squared norm was all-reduced over a dimension whose "
+        f"ranks hold the same gradient (every shard counted {k} times); reduce it only over the dimensions that "
+        "split the gradient (DTensor's full_tensor() of the norm does exactly that)",
+    )
+
+
+__all__ = [
+    "gradient_scale",
+    "hard_coded_divisor",
+    "mesh_dimension_sizes",
+    "norm_over_replicated_dim",
+    "ratio_pattern",
+    "tied_weight_twice",
+]

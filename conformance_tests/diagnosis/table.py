@@ -52,6 +52,10 @@ gradient_scale            averaged_twice, summed,   the first grad-norm ratio (s
                           accumulation_scale        the loss equal before: 1 / world size (divided
                                                     twice), world size (summed), 1 / or x
                                                     accumulate_grad_batches (loss divided twice / never)
+norm_over_replicated_dim  norm_over_replicated_dim  a declared device mesh (``Ownership.mesh``) and the
+                                                    first grad norm sqrt(k) times the reference's, the
+                                                    loss equal, k a mesh dimension's size: the squared
+                                                    norm all-reduced over ranks holding the same gradient
 tied_weight_twice         tied_weight_twice         tied weights and the first grad norm 1 to sqrt 2
                                                     times the reference's with the loss equal: the tied
                                                     weight's gradient counted once per name
@@ -106,6 +110,7 @@ TITLES = {
     "summed": "gradients summed, not averaged",
     "accumulation_scale": "loss scaled wrongly for accumulation",
     "tied_weight_twice": "a tied weight counted twice in the gradient norm",
+    "norm_over_replicated_dim": "gradient norm reduced over a mesh dimension that replicates the gradients",
     "replica_desync": "replicas disagree with each other",
     "buffers": "buffer updates lost",
     "gradient_sync": "gradient sync contradicts the declaration",
@@ -137,6 +142,7 @@ RULES: tuple[Rule, ...] = (
     update.buffers_within_first_step,
     update.stale_buffers,
     scale.gradient_scale,
+    scale.norm_over_replicated_dim,
     scale.tied_weight_twice,
     update.replica_desync,
     update.only_buffers,

@@ -4,6 +4,9 @@ Every strategy returns one frozen :class:`Ownership` value. The trainer reads
 it and never looks at the strategy's class or name; ``unison describe NAME``
 prints it; the conformance suite verifies it instead of trusting it.
 
+A composed strategy also declares its device mesh (:class:`~unison.contract.mesh.MeshLayout`:
+named dimensions, sizes, which collective runs on which); the field is optional.
+
 Everything a strategy may refuse is declared here too: a precision
 (``precision[name]`` unsupported), a :class:`Feature` (``refuses``), a world
 size (``world_sizes``). The trainer enforces the declaration before any
@@ -19,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from unison.contract.mesh import MeshLayout
 from unison.errors import did_you_mean
 
 #: The precision names every strategy must answer for, supported or not.
@@ -145,6 +149,9 @@ class Feature(str, enum.Enum):
     #: A model that is not an ``nn.Sequential`` and declares no split points
     #: (``pipeline_layers = [child names in forward order]``).
     ARBITRARY_MODULE = "arbitrary_module"
+    #: A model that declares no tensor-parallel plan (``tp_plan``, or Hugging Face's ``base_model_tp_plan``
+    #: on the model or its ``config``): which submodules are split column-wise and row-wise.
+    NO_TENSOR_PARALLEL_PLAN = "no_tensor_parallel_plan"
     #: An optimizer of any class from the optimizer factory (a strategy that
     #: runs its own optimizer accepts only the classes its reason names).
     ANY_OPTIMIZER = "any_optimizer"
@@ -170,6 +177,7 @@ _FEATURE_DESCRIPTIONS = {
     Feature.FROZEN_PARAMETERS: "models with frozen parameters (requires_grad=False)",
     Feature.BUFFERS: "models with buffers",
     Feature.ARBITRARY_MODULE: "models that are not an nn.Sequential and declare no split points (pipeline_layers)",
+    Feature.NO_TENSOR_PARALLEL_PLAN: "models that declare no tensor-parallel plan (tp_plan / base_model_tp_plan)",
     Feature.ANY_OPTIMIZER: "any optimizer class from the optimizer factory",
     Feature.COMPILE: "torch.compile of the model (compile)",
     Feature.ACTIVATION_CHECKPOINTING: "activation checkpointing of the model's blocks (activation_checkpointing)",
@@ -219,6 +227,9 @@ class Ownership:
     refuses: Mapping[Feature, str] = field(default_factory=dict)
     #: The world sizes it runs at.
     world_sizes: WorldSizes = WorldSizes()
+    #: The named device-mesh dimensions of a composed strategy (HSDP, FSDP x TP), each with its size
+    #: and collectives (:mod:`unison.contract.mesh`); ``None``: a flat world, nothing to declare.
+    mesh: MeshLayout | None = None
 
     def __post_init__(self) -> None:
         missing = [p for p in STANDARD_PRECISIONS if p not in self.precision]
@@ -258,6 +269,7 @@ class Ownership:
             "replica_init": self.replica_init.value,
             "refuses": {k.value: v for k, v in self.refuses.items()},
             "world_sizes": asdict(self.world_sizes),
+            "mesh": None if self.mesh is None else self.mesh.to_dict(),
             "non_conformant": self.non_conformant,
             "notes": list(self.notes),
         }

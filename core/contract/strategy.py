@@ -176,7 +176,27 @@ def model_features(model: torch.nn.Module) -> dict[Feature, str]:
         needs[Feature.BUFFERS] = f"buffer {buffer[0]!r}"
     if not isinstance(model, torch.nn.Sequential) and getattr(model, "pipeline_layers", None) is None:
         needs[Feature.ARBITRARY_MODULE] = f"{type(model).__name__} is not an nn.Sequential and has no pipeline_layers"
+    if tensor_parallel_plan(model) is None:
+        needs[Feature.NO_TENSOR_PARALLEL_PLAN] = f"{type(model).__name__} declares no tp_plan or base_model_tp_plan"
     return needs
+
+
+def tensor_parallel_plan(model: torch.nn.Module) -> dict[str, str] | None:
+    """The model's own tensor-parallel plan, ``{submodule name or pattern: style}``, or ``None``.
+
+    Read from ``model.tp_plan`` (a mapping, or a method returning one), else Hugging Face's
+    ``base_model_tp_plan`` on the model or on its ``config`` (patterns such as
+    ``"layers.*.self_attn.q_proj"``, styles such as ``"colwise"`` and ``"rowwise"``). An empty plan
+    is no plan. Which styles a strategy applies, and how patterns match, is the strategy's to decide.
+    """
+    plan = getattr(model, "tp_plan", None)
+    if callable(plan):
+        plan = plan()
+    if not plan:
+        plan = getattr(model, "base_model_tp_plan", None) or getattr(
+            getattr(model, "config", None), "base_model_tp_plan", None
+        )
+    return {str(k): str(v) for k, v in plan.items()} if plan else None
 
 
 # --------------------------------------------------------------------------- #
@@ -454,6 +474,7 @@ __all__ = [
     "model_features",
     "required_interface",
     "resolve_accelerator",
+    "tensor_parallel_plan",
 ]
 
 

@@ -35,6 +35,7 @@ from unison.errors import PluginError
 #: implemented by every strategy; 2.0: ``setup`` is a template method taking ``env=``, strategies implement hooks;
 #: 2.1 (additive, no migration): the ``apply_features`` hook and the ``compile`` / ``activation_checkpointing``
 #: features a strategy may refuse. A minor version only adds, so a plugin written for 2.0 registers unchanged.
+#: 2.1 (additive): ``Ownership.mesh`` declares a composed strategy's device mesh (:mod:`unison.contract.mesh`).
 API_VERSION = "2.1"
 
 

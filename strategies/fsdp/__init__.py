@@ -1,4 +1,4 @@
-"""``fsdp`` (FSDP2, ``fully_shard``) and ``fsdp1`` (``FullyShardedDataParallel``).
+"""``fsdp`` (FSDP2, ``fully_shard``), ``hsdp`` (replicate x shard), ``fsdp_tp`` (dp x tp) and ``fsdp1``.
 
 Both shard parameters, gradients and optimizer state across the data-parallel
 world (ZeRO-3 style) and keep the trainer in charge of gradient accumulation:
@@ -9,7 +9,8 @@ exactly like ``ddp`` with ``no_sync()``.
 A package by concern: :mod:`.common` holds what both share (options, the
 sharding-unit choice, precision tables, the sharded grad scaler, the base
 :class:`~.common.ShardedStrategy`), :mod:`.fsdp2` and :mod:`.fsdp1` one
-strategy each; this module registers both.
+strategy each, :mod:`.hsdp` FSDP2 on a 2-D mesh, :mod:`.tensor_parallel` FSDP2 x tensor parallel;
+this module registers all four.
 
 Decisions shared by both:
 
@@ -53,6 +54,8 @@ from unison.plugin.registry import StrategySpec
 from unison.strategies.fsdp.common import FSDPOptions
 from unison.strategies.fsdp.fsdp1 import FSDP1Strategy
 from unison.strategies.fsdp.fsdp2 import FSDP2Strategy
+from unison.strategies.fsdp.hsdp import HSDPOptions, HSDPStrategy
+from unison.strategies.fsdp.tensor_parallel import FSDPTPOptions, FSDPTPStrategy
 
 
 @hookimpl
@@ -63,6 +66,18 @@ def unison_strategies() -> list[StrategySpec]:
             factory=FSDP2Strategy,
             description="FSDP2 fully_shard: parameters, gradients and optimizer state sharded; sharded DCP checkpoints",
             options=FSDPOptions,
+        ),
+        StrategySpec(
+            name="hsdp",
+            factory=HSDPStrategy,
+            description="FSDP2 on a 2-D mesh: sharded within groups of shard_size ranks, replicated across them",
+            options=HSDPOptions,
+        ),
+        StrategySpec(
+            name="fsdp_tp",
+            factory=FSDPTPStrategy,
+            description="tensor parallel (the model's tp_plan) on a tp mesh dimension, FSDP2 on dp",
+            options=FSDPTPOptions,
         ),
         StrategySpec(
             name="fsdp1",

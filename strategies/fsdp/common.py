@@ -178,9 +178,12 @@ SHARDED_DCP = (
 class ShardedStrategy(Strategy):
     """What ``fsdp`` and ``fsdp1`` share: options, validation, scaler, footprint."""
 
+    #: The options model this strategy's options are validated against.
+    options_model: type[FSDPOptions] = FSDPOptions
+
     def __init__(self, **options: Any) -> None:
         super().__init__()
-        self.options = FSDPOptions(**options)
+        self.options = self.options_model(**options)
         self._policy_precision = False
 
     def validate_model(self, model: torch.nn.Module, settings: Any) -> None:

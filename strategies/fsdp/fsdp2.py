@@ -94,7 +94,6 @@ class FSDP2Strategy(ShardedStrategy):
         # Its own setup: mesh, per-unit sharding policies and the root are one sequence.
         self.env = env = env or self.env
         assert env is not None
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             MixedPrecisionPolicy,
@@ -105,7 +104,7 @@ class FSDP2Strategy(ShardedStrategy):
         self.settings = settings
         module = module.to(env.device)
         self.apply_features(module)
-        mesh = init_device_mesh(env.device.type, (env.world_size,))
+        mesh = self._shard_mesh(env, module)
         self._policy_precision = precision.support.owner is PrecisionOwner.SHARDING_POLICY
         inner_mp = root_mp = MixedPrecisionPolicy()
         if self._policy_precision:
@@ -147,6 +146,16 @@ class FSDP2Strategy(ShardedStrategy):
         if options is not None:
             for _, block in required_blocks(module, "compile"):
                 compile_forward(block, options)
+
+    def _shard_mesh(self, env: DistEnv, module: torch.nn.Module) -> Any:
+        """The mesh ``fully_shard`` shards over: 1-D, the whole world.
+
+        ``hsdp`` makes it 2-D; ``fsdp_tp`` first applies tensor parallel to ``module`` on its ``tp``
+        dimension and returns the ``dp`` one (torchtitan's order: TP before FSDP).
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(env.device.type, (env.world_size,))
 
     @contextlib.contextmanager
     def _no_sync(self) -> Iterator[None]:
