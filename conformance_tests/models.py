@@ -185,6 +185,8 @@ def _blocks() -> torch.nn.Sequential:
         )
 
     return torch.nn.Sequential(torch.nn.Linear(IN_FEATURES, HIDDEN), block(), block(), torch.nn.Linear(HIDDEN, 1))
+
+
 #: The ``block`` model's sequence: each sample's :data:`IN_FEATURES` features read as ``TOKENS`` tokens.
 TOKENS = 4
 #: The block's width and its attention heads (head size 4; tensor parallel at 2 keeps one head per rank).

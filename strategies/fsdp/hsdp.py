@@ -99,6 +99,7 @@ class HSDPStrategy(FSDP2Strategy):
     """``fully_shard`` on the 2-D mesh of :func:`hsdp_mesh` (see the module docstring for the decisions)."""
 
     options_model = HSDPOptions
+    options: HSDPOptions
 
     @property
     def mesh_layout(self) -> MeshLayout:

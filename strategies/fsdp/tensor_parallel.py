@@ -149,6 +149,7 @@ class FSDPTPStrategy(FSDP2Strategy):
     """Tensor parallel on ``tp``, FSDP2 on ``dp`` (see the module docstring for the decisions)."""
 
     options_model = FSDPTPOptions
+    options: FSDPTPOptions
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
