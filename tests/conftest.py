@@ -44,6 +44,9 @@ FULL_TIER = {
     "test_s3_run_directories.py": "fault injection: object-storage uploads that fail and are retried",
     "test_storage_outage.py": "fault injection: an S3 server stopped mid-save, retried within its budget",
     "test_compile_inductor.py": "torch.compile with inductor: code generation takes seconds per graph",
+    "test_hsdp.py": "4-rank worlds (hsdp on a 2x2 mesh, cross-backend resumes)",
+    "test_fsdp_tp.py": "4-rank worlds (fsdp_tp on a 2x2 mesh, cross-backend resumes)",
+    "test_conformance_broken_composed.py": "the mutation suites for composed strategies at world 4",
 }
 
 
