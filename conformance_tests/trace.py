@@ -201,6 +201,23 @@ class TraceRecorder:
         )
 
 
+def redispatched(event: Any) -> bool:
+    """Whether ``event`` is an op's second record: the op re-dispatched by a Python dispatch mode.
+
+    An op called under a ``TorchDispatchMode`` (the ``Throughput`` callback's
+    FLOP counter on a fit's second step, a user's own mode) is recorded twice
+    by the profiler: the call, and inside it (under ``PythonDispatchMode``)
+    the mode's call of the same op. One collective ran; the inner record has
+    an ancestor of the same name.
+    """
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None:
+        if parent.name == event.name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def analyse_collectives(events: Any) -> dict[str, Any]:
     windows: list[tuple[float, float]] = []
     no_sync: list[tuple[float, float]] = []
@@ -217,7 +234,7 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
             no_sync.append((e.time_range.start, e.time_range.end))
         elif name == MICRO_MARK:
             backward_ends.append(e.time_range.end)
-        elif name.startswith("c10d::"):
+        elif name.startswith("c10d::") and not redispatched(e):
             op = name[len("c10d::") :]
             calls.append((e.time_range.start, COLLECTIVE_KINDS.get(op, f"other:{op}")))
     windows.sort()

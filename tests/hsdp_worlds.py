@@ -9,6 +9,7 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile
 
 import unison
+from unison.conformance.trace import redispatched
 
 from fsdp_worlds import Footprint, _fit, wide_mlp
 from helpers import mlp, regression_data, train
@@ -35,7 +36,7 @@ class CollectiveCounter:
         self._prof.__exit__(None, None, None)
         counts: collections.Counter[str] = collections.Counter()
         for e in self._prof.events():
-            if not e.name.startswith("c10d::"):
+            if not e.name.startswith("c10d::") or redispatched(e):
                 continue
             if "reduce_scatter" in e.name:
                 counts["reduce_scatter"] += 1
