@@ -128,7 +128,8 @@ class TrainLoop:
         local = torch.stack([loss.detach().float().reshape(()) for loss in losses])
         tokens = None
         if batch.tokens is not None:
-            local = torch.cat([local, torch.tensor([float(batch.tokens)], device=local.device)])
+            # torch.full: the count is a kernel argument, not a host-to-device copy (which would synchronise).
+            local = torch.cat([local, torch.full((1,), float(batch.tokens), device=local.device)])
         reduced = strategy.reduce_sum(local)
         replicas = strategy.data_parallel_size(trainer.env.world_size)
         micro = reduced[: len(losses)] / replicas
