@@ -133,6 +133,34 @@ def with_unison(w: LMWorkload, strategy: str) -> float:
     return window.tokens_per_s()
 
 
+def mfu(w: LMWorkload, strategy: str) -> dict[str, Any]:
+    """``Throughput``'s FLOPs per step and MFU on this device, beside the analytic ``6 * N * tokens``."""
+    import unison
+
+    trainer = unison.Trainer(
+        strategy=strategy,
+        accelerator="cuda",
+        precision="bf16-mixed",
+        loggers=False,
+        pin_memory=True,
+        **w.unison_settings(
+            log_every_n_steps=w.steps,
+            **({"strategy_options": o} if (o := w.strategy_options(strategy)) else {}),
+        ),
+    )
+    trainer.fit(w.model, w.data(), loss_fn=w.loss, optimizer=w.optimizer)
+    metrics = trainer.progress.metrics
+    n = w.parameters()
+    tokens = w.global_batch * w.seq_len
+    return {
+        "strategy": strategy,
+        "flops_per_step": metrics.get("perf/flops_per_step"),
+        "analytic_6_n_tokens": 6 * n * tokens,
+        "mfu": metrics.get("perf/mfu"),
+        "step_time_s": metrics.get("perf/step_time"),
+    }
+
+
 def rounds(w: LMWorkload, strategy: str, n: int) -> dict[str, Any]:
     """``n`` alternated rounds in this (one-rank NCCL) world."""
     assert dist.is_initialized()
@@ -167,6 +195,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--output", default=None, help="a JSON-lines file for the results")
+    parser.add_argument("--mfu", action="store_true", help="also log Throughput's FLOPs per step and MFU")
     args = parser.parse_args()
     from unison.launch.torchrun import spawn
 
@@ -182,12 +211,17 @@ def main() -> None:
     )
     os.environ.setdefault("OMP_NUM_THREADS", "4")
     for strategy in args.strategies.split(","):
-        result = spawn(rounds, 1, w, strategy, args.rounds, timeout=540, backend="nccl")[0]
-        line = json.dumps(result)
-        print(line, flush=True)
-        if args.output:
-            with open(args.output, "a") as f:
-                f.write(line + "\n")
+        results = []
+        if args.rounds:
+            results.append(spawn(rounds, 1, w, strategy, args.rounds, timeout=540, backend="nccl")[0])
+        if args.mfu:
+            results.append(spawn(mfu, 1, w, strategy, timeout=540, backend="nccl")[0])
+        for result in results:
+            line = json.dumps(result)
+            print(line, flush=True)
+            if args.output:
+                with open(args.output, "a") as f:
+                    f.write(line + "\n")
 
 
 if __name__ == "__main__":
