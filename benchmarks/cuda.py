@@ -161,6 +161,58 @@ def mfu(w: LMWorkload, strategy: str) -> dict[str, Any]:
     }
 
 
+def features(w: LMWorkload) -> list[dict[str, Any]]:
+    """``single`` in bf16 without and with ``activation_checkpointing="full"`` and ``compile=True``.
+
+    Per configuration: the first step's time (with ``compile``, the compilation), the steady step time
+    (synchronised at the window's ends) and ``torch.cuda.max_memory_allocated`` over the fit.
+    """
+    import unison
+
+    out = []
+    for options in ({}, {"activation_checkpointing": "full"}, {"compile": True}):
+
+        class Marks:
+            def __init__(self) -> None:
+                self.at: dict[str, float] = {}
+
+            @unison.hookimpl
+            def unison_on_train_step_start(self, step: int) -> None:
+                if step in (0, w.warmup):
+                    torch.cuda.synchronize()
+                    self.at[f"start{step}"] = time.perf_counter()
+
+            @unison.hookimpl
+            def unison_on_train_step_end(self, step: int) -> None:
+                if step in (0, w.steps - 1):
+                    torch.cuda.synchronize()
+                    self.at[f"end{step}"] = time.perf_counter()
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        trainer = unison.Trainer(
+            strategy="single",
+            accelerator="cuda",
+            precision="bf16-mixed",
+            callbacks=[marker := Marks()],
+            loggers=False,
+            throughput=False,
+            pin_memory=True,
+            **w.unison_settings(**options),
+        )
+        trainer.fit(w.model, w.data(), loss_fn=w.loss, optimizer=w.optimizer)
+        marks = marker.at
+        out.append(
+            {
+                "options": options,
+                "first_step_s": marks["end0"] - marks["start0"],
+                "steady_step_s": (marks[f"end{w.steps - 1}"] - marks[f"start{w.warmup}"]) / (w.steps - w.warmup),
+                "max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
+            }
+        )
+    return out
+
+
 def rounds(w: LMWorkload, strategy: str, n: int) -> dict[str, Any]:
     """``n`` alternated rounds in this (one-rank NCCL) world."""
     assert dist.is_initialized()
@@ -196,6 +248,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--output", default=None, help="a JSON-lines file for the results")
     parser.add_argument("--mfu", action="store_true", help="also log Throughput's FLOPs per step and MFU")
+    parser.add_argument(
+        "--features",
+        action="store_true",
+        help="single: peak memory and step time with activation checkpointing and with compile",
+    )
     args = parser.parse_args()
     from unison.launch.torchrun import spawn
 
@@ -210,6 +267,13 @@ def main() -> None:
         warmup=args.warmup,
     )
     os.environ.setdefault("OMP_NUM_THREADS", "4")
+    if args.features:
+        for result in features(w):
+            line = json.dumps(result)
+            print(line, flush=True)
+            if args.output:
+                with open(args.output, "a") as f:
+                    f.write(line + "\n")
     for strategy in args.strategies.split(","):
         results = []
         if args.rounds:
