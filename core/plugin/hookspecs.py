@@ -55,7 +55,7 @@ per-rank wall-clock limit sets it on one): the trainer combines every rank's
 flag (logical OR, on a CPU process group), so all ranks stop after the same
 step. In a world that is one step later: the flags of step k's boundary are
 all-reduced without blocking and read at step k+1's, so the loop ends after
-step k+1, unless step k saves a checkpoint, which agrees at once
+step k+1, unless step k validates or saves a checkpoint, which agrees at once
 (:mod:`unison.training.stopping`). Stop decisions the trainer makes itself (a
 non-finite loss or gradient, preemption) are agreed the same way or computed
 from values identical on every rank. When ``fit`` fails, ``unison_on_exception``

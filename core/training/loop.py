@@ -9,7 +9,8 @@ step the loop logs, asks the :class:`~unison.training.validation.Validator`
 and the :class:`~unison.training.checkpointing.CheckpointManager` whether to
 validate and save, and every rank agrees whether to stop
 (:class:`~unison.training.stopping.StopAgreement`: started after one step,
-waited for after the next, so in a world a stop takes effect one step later).
+waited for after the next, so in a world a stop takes effect one step later,
+or at once on a step that validates or saves).
 Hooks fire with the trainer, in the order :mod:`unison.plugin.hookspecs`
 documents.
 
@@ -95,7 +96,8 @@ class TrainLoop:
                 hook.unison_on_train_epoch_end(trainer=trainer, epoch=epoch)
             watchdog.mark(step, "stop_agreement")
             self.stop.collect()  # the previous boundary's agreement: none in flight during validation or a save
-            if self.validator.should_validate(done):
+            validated = self.validator.should_validate(done)
+            if validated:
                 watchdog.mark(step, "validation")
                 self.nonfinite.resolve()
                 trainer.validate()
@@ -105,7 +107,9 @@ class TrainLoop:
                 watchdog.mark(step, "checkpoint")
                 trainer.save_checkpoint()  # resolves the non-finite check first
             watchdog.mark(step, "stop_agreement")
-            if self.stop.agree(now=saved):
+            # A step that validated or saved blocked anyway: agree at once there, so a stop decided from
+            # validation (early stopping) ends every backend's fit after the same step as at world 1.
+            if self.stop.agree(now=saved or validated):
                 break
             watchdog.mark(done, "data")
         # Nothing left in flight: the last boundary's stop agreement (a request in it preempts), the last check.

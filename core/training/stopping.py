@@ -15,12 +15,13 @@ are all-reduced (MAX) on the CPU control group, and when:
   stops every rank after step k+1: a one-step lag, the price of taking the
   collective off the critical path (a blocking all-reduce at every boundary
   waits for the slowest rank, 0.5-0.9 ms a step on the benchmark machine).
-* A boundary that saved a checkpoint, and one whose waited flags ask to stop,
-  agree at once on the current flags (one blocking all-reduce, where the
-  step blocks anyway): a stop asked for by a saving step stops there, so a
-  preemption commits that step's checkpoint and not a second one a step
-  later, and the final decision (stop, and whether a signal reached any rank)
-  is the one every rank takes.
+* A boundary that validated or saved a checkpoint, and one whose waited flags
+  ask to stop, agree at once on the current flags (one blocking all-reduce,
+  where the step blocks anyway): a stop decided from a validation (early
+  stopping) ends the fit after that step on every backend, as at world 1; a
+  stop asked for by a saving step stops there, so a preemption commits that
+  step's checkpoint and not a second one a step later; and the final decision
+  (stop, and whether a signal reached any rank) is the one every rank takes.
 * After the last step (``max_steps`` or the end of the data) the outstanding
   agreement is waited for; a stop request in it still commits a checkpoint
   and raises ``Preempted`` on every rank. A request that reaches a rank after

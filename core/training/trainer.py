@@ -211,8 +211,8 @@ class Trainer:
         #: Set by a plugin to end training after the current step. Every
         #: rank's flag is combined at the step boundary: one rank asking
         #: stops all ranks after the same step, in a world one step later
-        #: (after step k+1 for a flag set during step k, unless step k saves
-        #: a checkpoint; :mod:`unison.training.stopping`).
+        #: (after step k+1 for a flag set during step k, unless step k
+        #: validates or saves a checkpoint; :mod:`unison.training.stopping`).
         self.should_stop = False
         self.env: DistEnv | None = None
         self.precision: Precision | None = None
@@ -328,8 +328,8 @@ class Trainer:
         ``progress="off"``).
 
         On SIGTERM or SIGUSR1 every rank finishes the current optimizer step
-        (in a world, the next one too, unless the current one saves a
-        checkpoint: the ranks agree without blocking, one step late), a
+        (in a world, the next one too, unless the current one validates or
+        saves a checkpoint: the ranks agree without blocking, one step late), a
         checkpoint is committed (with ``checkpoint_dir``) and ``fit`` raises
         :class:`unison.launch.lifecycle.Preempted`, a ``SystemExit`` with code 75.
 

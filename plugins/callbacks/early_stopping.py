@@ -5,10 +5,9 @@ metric (``val/loss`` by default; any metric the trainer or a plugin logs). A
 value improves when it beats the best so far by more than ``min_delta``
 (lower for ``mode="min"``, higher for ``"max"``); after ``patience``
 consecutive checks without improvement it sets ``trainer.should_stop``, and the
-trainer ends the fit after the current step, in a world after the next one
-(every rank stops at the same step: the trainer combines every rank's flag,
-one step late unless the step saves a checkpoint, and the trainer's own
-metrics are already the same on every rank).
+trainer ends the fit after the current step on every backend (every rank stops
+at the same step: a step that validated agrees on every rank's flag at once,
+and the trainer's own metrics are already the same on every rank).
 
 Its state (best value, checks without improvement) is saved in checkpoints, so
 a resumed run keeps counting where it stopped.
