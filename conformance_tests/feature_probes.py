@@ -8,7 +8,7 @@ reference. So their runs carry a probe, recorded on every rank around ``fit``:
   (``torch._dynamo.utils.counters["frames"]["ok"]``, from an emptied dynamo
   cache); every rank of the strategy's run must have compiled at least one.
 * ``activation_checkpointing``: the FLOPs executed during the fit
-  (:class:`unison.plugins.callbacks.mfu.FlopCount`: ``torch.utils.flop_counter``'s formulas). A
+  (:func:`unison._upstream.flop_counter`: ``torch.utils.flop_counter``'s formulas). A
   checkpointed block runs its forward again in backward, so the strategy's
   ranks together must execute more FLOPs than the reference without it (the
   ranks of a data-parallel world split the batch, a pipeline's ranks split the
@@ -43,25 +43,26 @@ class FeatureProbe:
 
     def __enter__(self) -> FeatureProbe:
         if self.feature == "compile":
-            import torch._dynamo
-            from torch._dynamo.utils import counters
-
             # A forward compiled earlier in this process (same code, guards that hold) would run from
             # dynamo's cache without compiling a frame: start from an empty cache.
-            torch._dynamo.reset()
-            self._frames_before = counters["frames"]["ok"]
-        else:
-            from unison.plugins.callbacks.mfu import FlopCount
+            import torch
 
-            self._mode = FlopCount()
+            from unison._upstream import compiled_frames
+
+            torch.compiler.reset()
+            self._frames_before = compiled_frames()
+        else:
+            from unison._upstream import flop_counter
+
+            self._mode = flop_counter()
             self._mode.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.feature == "compile":
-            from torch._dynamo.utils import counters
+            from unison._upstream import compiled_frames
 
-            self.value = float(counters["frames"]["ok"] - self._frames_before)
+            self.value = float(compiled_frames() - self._frames_before)
         else:
             self._mode.__exit__(*exc)
             self.value = float(self._mode.total)

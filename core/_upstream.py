@@ -14,7 +14,11 @@ and runs each function here against the installed torch.
 * ``torch.utils.data._utils.worker._worker_info``: :func:`hidden_loader_worker`;
 * ``_MultiProcessingDataLoaderIter._shutdown_workers``: :func:`shutdown_loader_workers`;
 * ``torch._utils._flatten_dense_tensors`` / ``_unflatten_dense_tensors``:
-  :func:`flatten_dense_tensors`, :func:`unflatten_dense_tensors`.
+  :func:`flatten_dense_tensors`, :func:`unflatten_dense_tensors`;
+* ``torch.utils._python_dispatch.TorchDispatchMode`` and ``OpOverload._overloadpacket``:
+  :func:`flop_counter`; ``torch.utils._python_dispatch._disable_current_modes``:
+  :func:`outside_dispatch_modes`;
+* ``torch._dynamo.utils.counters``: :func:`compiled_frames`.
 """
 
 from __future__ import annotations
@@ -192,11 +196,73 @@ def unflatten_dense_tensors(flat: torch.Tensor, tensors: Sequence[torch.Tensor])
     return list(unflatten(flat, tensors))
 
 
+# --------------------------------------------------------------------------- #
+# Counting FLOPs and compiled frames
+# --------------------------------------------------------------------------- #
+@functools.cache
+def _flop_count_class() -> type:
+    # PRIVATE torch.utils._python_dispatch.TorchDispatchMode: the base FlopCounterMode itself is built on.
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.flop_counter import flop_registry
+
+    class FlopCount(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.total = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            # PRIVATE OpOverload._overloadpacket: the key flop_registry's formulas are filed under.
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                self.total += formula(*args, **kwargs, out_val=out)
+            return out
+
+    return FlopCount
+
+
+def flop_counter() -> Any:
+    """A context manager counting the FLOPs of the ops run inside it (``.total`` after it exits).
+
+    ``torch.utils.flop_counter``'s formulas in a bare dispatch mode. The public
+    ``FlopCounterMode`` counts the same, per module too: for that it enters a
+    ``ModuleTracker`` (global module hooks, autograd hooks on every module's
+    inputs and outputs), which a pipeline schedule's stage forwards and
+    backwards do not go through cleanly. Only the total is needed.
+    """
+    _check()
+    return _flop_count_class()()
+
+
+@contextlib.contextmanager
+def outside_dispatch_modes() -> Iterator[None]:
+    """Run the block with no dispatch mode active (a FLOP counter around it neither counts nor slows it)."""
+    _check()
+    # PRIVATE torch.utils._python_dispatch._disable_current_modes: no public way to step outside a mode.
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+def compiled_frames() -> int:
+    """Frames ``torch.compile`` has compiled in this process (dynamo's ``frames/ok`` counter)."""
+    _check()
+    # PRIVATE torch._dynamo.utils.counters: the only record of how many frames were compiled.
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
 __all__ = [
     "VERIFIED_VERSION",
+    "compiled_frames",
     "flatten_dense_tensors",
+    "flop_counter",
     "hidden_loader_worker",
     "nccl_flight_recorder_dump",
+    "outside_dispatch_modes",
     "set_default_group_timeout",
     "shutdown_loader_workers",
     "torchrun_worker_failures",

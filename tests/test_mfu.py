@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import unison
+from unison._upstream import flop_counter
 from unison.plugins.callbacks import Throughput
 from unison.plugins.callbacks.mfu import PEAK_TFLOPS, known_peak_flops, measured_peak_flops
 
@@ -64,6 +65,6 @@ def test_the_cpu_peak_is_measured_outside_any_flop_counter():
     from unison.plugins.callbacks import mfu
 
     mfu._MEASURED.clear()
-    with mfu.FlopCount() as counted:
+    with flop_counter() as counted:
         assert measured_peak_flops(torch.float32) > 0
     assert counted.total == 0

@@ -2,7 +2,7 @@
 
 MFU = FLOPs of one optimizer step / its wall time / the device's peak FLOP/s.
 
-* **FLOPs per step** are counted by :class:`FlopCount` (the formulas of
+* **FLOPs per step** are counted by :func:`unison._upstream.flop_counter` (the formulas of
   :mod:`torch.utils.flop_counter`) over one whole optimizer step (every micro-batch's forward and backward on
   this rank), once per fit: every step has the same shapes, so one count
   serves them all. It counts what executes: with activation checkpointing
@@ -15,11 +15,10 @@ MFU = FLOPs of one optimizer step / its wall time / the device's peak FLOP/s.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils.flop_counter import flop_registry
+
+from unison._upstream import outside_dispatch_modes
 
 #: Dense (no sparsity) peak TFLOP/s per device, by a substring of ``torch.cuda.get_device_name()``:
 #: ``(bf16/fp16 tensor core, fp32)``. From NVIDIA's datasheets, whose tensor-core figures are quoted
@@ -38,28 +37,6 @@ PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
 )
 
 _MEASURED: dict[tuple[str, torch.dtype], float] = {}
-
-
-class FlopCount(TorchDispatchMode):
-    """Counts FLOPs with :mod:`torch.utils.flop_counter`'s formulas (``flop_registry``), as a dispatch mode.
-
-    :class:`~torch.utils.flop_counter.FlopCounterMode` counts the same, per module too: for that it
-    enters a ``ModuleTracker`` (global module hooks, and autograd hooks on every module's inputs and
-    outputs), which a pipeline schedule's stage forwards and backwards do not go through cleanly. Only
-    the total is needed here, so only the dispatch mode is used.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is not None:
-            self.total += formula(*args, **kwargs, out_val=out)
-        return out
 
 
 def compute_dtype(precision: str) -> torch.dtype:
@@ -90,7 +67,7 @@ def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 1024, trial
     if key not in _MEASURED:
         # Outside any dispatch mode: a FLOP counter active around the step (the conformance suite's, a
         # user's) must neither count the measurement nor slow it down.
-        with _disable_current_modes():
+        with outside_dispatch_modes():
             a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
             torch.mm(a, b)  # warm up
             fastest = float("inf")

@@ -41,10 +41,11 @@ from typing import Any
 
 import torch
 
+from unison._upstream import flop_counter
 from unison.plugin import hookimpl
 
 from .._timing import StepWindow
-from .mfu import FlopCount, peak_flops
+from .mfu import peak_flops
 
 
 def peak_rss_mib() -> float:
@@ -73,7 +74,7 @@ class Throughput:
         self.count_flops = count_flops
         #: FLOPs this rank executes per optimizer step, once counted in this fit.
         self.flops_per_step: float | None = None
-        self._counter: FlopCount | None = None
+        self._counter: Any = None
         self._steps = 0
 
     @hookimpl
@@ -84,7 +85,7 @@ class Throughput:
     @hookimpl
     def unison_on_train_step_start(self, trainer: Any) -> None:
         if self.count_flops and self._steps == COUNTED_STEP:
-            self._counter = FlopCount()
+            self._counter = flop_counter()
             self._counter.__enter__()
         self._window.start()
 

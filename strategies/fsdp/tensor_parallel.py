@@ -260,5 +260,6 @@ class FSDPTPStrategy(FSDP2Strategy):
             # torch.nn.utils.clip_grads_with_norm_'s coefficient, in fp32 as there; DTensor gradients of two
             # meshes take it as a plain number.
             coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_([p.grad for p in params], float(coefficient))
+            for p in params:
+                p.grad.mul_(float(coefficient))
         return total
