@@ -56,7 +56,10 @@ def model(d: int = 8, hidden: int = 16, layers: int = 2) -> torch.nn.Module:
     blocks: list[torch.nn.Module] = [torch.nn.Linear(d, hidden), torch.nn.Tanh()]
     for _ in range(layers - 1):
         blocks += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
-    return torch.nn.Sequential(*blocks, torch.nn.Linear(hidden, 1))
+    net = torch.nn.Sequential(*blocks, torch.nn.Linear(hidden, 1))
+    # A tensor-parallel plan (the first Linear split by outputs, the second by inputs), for fsdp_tp.
+    net.tp_plan = {"0": "colwise", "2": "rowwise"}
+    return net
 
 
 def main() -> None:
