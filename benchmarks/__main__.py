@@ -9,6 +9,9 @@ never run by default, it takes minutes).
 
 Set ``OMP_NUM_THREADS=1`` (each rank of a world gets one thread, as the
 conformance suite does); the run sets it when unset.
+
+Past 400 lines because each section's table (titles, columns, the note that says
+how to read it) is written here beside the call that fills it.
 """
 
 from __future__ import annotations
