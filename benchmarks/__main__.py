@@ -1,8 +1,9 @@
 """``python -m benchmarks``: every benchmark in one run; prints tables and writes benchmarks/RESULTS.md.
 
 Sections (``--only`` picks some): ``overhead`` (unison / hand-written loop per
-backend), ``peer`` (unison / PyTorch Lightning ddp), ``framework`` (time
-outside backend calls, hook dispatch), ``worlds`` (memory at world 2 and 4,
+backend), ``peer`` (unison / PyTorch Lightning ddp), ``profile`` (where the
+gap to the hand-written loop goes, by function, for single and pipeline),
+``framework`` (time outside backend calls, hook dispatch), ``worlds`` (memory at world 2 and 4,
 step time at world 1, 2, 4), ``conformance`` (wall time of the conformance
 matrix: read from ``--conformance-log``, or measured with ``--run-conformance``;
 never run by default, it takes minutes).
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("overhead", "peer", "framework", "worlds", "conformance")
+SECTIONS = ("overhead", "peer", "profile", "framework", "worlds", "conformance")
 HERE = Path(__file__).resolve().parent
 #: Ratio targets (unison / the other), and the framework-time target.
 RATIO_TARGET = 1.03
@@ -212,6 +213,49 @@ def section_peer(w: Any, rounds: int, timeout: float) -> tuple[Table, dict[str, 
     return table, {**out, "ratio": u / lt}
 
 
+def section_profile(w: Any, timeout: float) -> tuple[list[Table], dict[str, Any]]:
+    from benchmarks.gap_profile import SHOW_ABOVE, world_compare
+    from unison.launch.torchrun import spawn
+
+    steps = 40
+    results = {
+        "single": world_compare(w, "single", steps),
+        "pipeline": spawn(world_compare, 2, w, "pipeline", steps, timeout=timeout)[0],
+    }
+    summary = Table(
+        f"Profile, {w.name} workload: unison's excess over the hand-written loop, by owner (% of the loop's step)",
+        ["strategy", "rank", "loop us/step (profiled)", "unison us/step (profiled)", "excess by owner"],
+        f"benchmarks/gap_profile.py: cProfile self time per steady step ({steps} steps: a run of warm-up + {steps} "
+        "steps minus a run of the warm-up alone, for each contender), unison minus the loop, by function. Owner: "
+        "unison (this package's code), torch, python (the standard library and built-ins). The profiler slows "
+        "Python calls more than kernels: these shares rank the costs, the overhead table measures them.",
+    )
+    functions = Table(
+        f"Profile, {w.name} workload: every function whose excess is above {SHOW_ABOVE:.0%} of the loop's step",
+        ["strategy", "rank", "function", "owner", "unison us/step", "loop us/step", "excess (% of the loop's step)"],
+    )
+    for strategy, out in results.items():
+        for r in out["ranks"]:
+            summary.add(
+                strategy,
+                r["rank"],
+                f"{r['hand_step_us']:.0f}",
+                f"{r['unison_step_us']:.0f}",
+                ", ".join(f"{k} {v:+.1%}" for k, v in r["excess_by_owner"].items() if abs(v) >= 0.001),
+            )
+            for row in r["rows"]:
+                functions.add(
+                    strategy,
+                    r["rank"],
+                    f"`{row['function']}`",
+                    row["owner"],
+                    f"{row['unison_us']:.0f}",
+                    f"{row['hand_us']:.0f}",
+                    f"{row['excess_share']:+.1%}",
+                )
+    return [summary, functions], results
+
+
 def section_framework(w: Any, rounds: int) -> tuple[list[Table], dict[str, Any]]:
     from benchmarks.framework import run
 
@@ -251,7 +295,14 @@ def section_framework(w: Any, rounds: int) -> tuple[list[Table], dict[str, Any]]
 
 
 def section_worlds(w: Any, rounds: int, timeout: float) -> tuple[list[Table], dict[str, Any]]:
-    from benchmarks.memory_scaling import MEMORY, SCALING, ZERO_FORMULA, ZERO_FORMULA_TEXT, world_memory_scaling
+    from benchmarks.memory_scaling import (
+        COMPOSED_SCALING,
+        MEMORY,
+        SCALING,
+        ZERO_FORMULA_TEXT,
+        memory_formula,
+        world_memory_scaling,
+    )
     from unison.launch.torchrun import spawn
 
     results = {n: spawn(world_memory_scaling, n, w, rounds, n > 1, timeout=timeout)[0] for n in (1, 2, 4)}
@@ -268,6 +319,14 @@ def section_worlds(w: Any, rounds: int, timeout: float) -> tuple[list[Table], di
             *[f"{results[n]['scaling'][s]['median_ms']:.2f}" for n in results],
             *[f"{base / results[n]['scaling'][s]['median_ms']:.2f}x" for n in results if n > 1],
         )
+    fsdp4 = results[4]["scaling"]["fsdp"]["median_ms"]
+    for s in COMPOSED_SCALING:
+        ms = results[4]["scaling"][s]["median_ms"]
+        scaling.add(s, "", "", f"{ms:.2f} ({ms / fsdp4:.2f}x fsdp's)", "", "")
+    scaling.note += (
+        " hsdp (2 replicas x 2 shards) and fsdp_tp (2 dp x 2 tp) need a 2x2 mesh: timed at world 4 only, "
+        "beside fsdp's step at world 4."
+    )
     psi = w.parameters()
     memory = Table(
         f"Memory per rank (fp32, AdamW, Ψ = {psi:,} parameters), bytes: measured / ZeRO formula",
@@ -290,7 +349,7 @@ def section_worlds(w: Any, rounds: int, timeout: float) -> tuple[list[Table], di
     for n in (2, 4):
         for s in MEMORY:
             m = results[n]["memory"][s]
-            fp, fg, fo = (f(n) * psi for f in ZERO_FORMULA[s])
+            fp, fg, fo = memory_formula(s, n, w)
             total = m["parameters"] + m["gradients"] + m["optimizer_state"]
             memory.add(
                 s,
@@ -405,11 +464,15 @@ def main(argv: list[str] | None = None) -> None:
         timings[name] = time.perf_counter() - t
         return out
 
+    per_workload = {
+        "overhead": lambda wl: section_overhead(wl, args.rounds, args.timeout)[0],
+        "peer": lambda wl: [section_peer(wl, args.rounds, args.timeout)[0]],
+        "profile": lambda wl: section_profile(wl, args.timeout)[0],
+    }
     for name, wl in workloads.items():
-        if "overhead" in sections:
-            tables += timed(f"overhead {name}", lambda wl=wl: section_overhead(wl, args.rounds, args.timeout))[0]
-        if "peer" in sections:
-            tables.append(timed(f"peer {name}", lambda wl=wl: section_peer(wl, args.rounds, args.timeout))[0])
+        for section, run in per_workload.items():
+            if section in sections:
+                tables += timed(f"{section} {name}", lambda run=run, wl=wl: run(wl))
     if "framework" in sections:
         tables += timed("framework", lambda: section_framework(w, args.rounds))[0]
     if "worlds" in sections:

@@ -2,7 +2,8 @@
 
 Both run in one world per size (1, 2, 4 gloo ranks): ``scaling`` times ddp and
 fsdp (median of the rounds; the global batch stays the same, so each rank's
-share shrinks as the world grows), ``memory`` trains each strategy briefly and
+share shrinks as the world grows), and at world 4 the composed hsdp (2 replicas
+x 2 shards) and fsdp_tp (2 dp x 2 tp) beside them; ``memory`` trains each strategy briefly and
 reads :meth:`Strategy.memory_footprint` (bytes this rank holds for parameters,
 gradients and optimizer state, counted from the tensors the backend really
 holds) after the last step, with the process's resident set size.
@@ -15,7 +16,11 @@ fp32 parameters are the masters): DDP ``4Ψ + 4Ψ + 8Ψ``, ZeRO-1 (optimizer
 state) ``4Ψ + 4Ψ + 8Ψ/N``, ZeRO-2 (+ gradients) ``4Ψ + 4Ψ/N + 8Ψ/N``, ZeRO-3
 and FSDP (+ parameters) ``(4 + 4 + 8)Ψ/N``. DeepSpeed keeps a separate fp32
 master partition even when the parameters are fp32, so its stages are
-compared with the paper's K = 12 (master, momentum, variance).
+compared with the paper's K = 12 (master, momentum, variance). Per mesh
+dimension: hsdp shards over its shard group of S ranks and replicates over the
+rest, ``(4 + 4 + 8)Ψ/S``; fsdp_tp splits the planned parameters Ψ_tp over T
+tp ranks and shards everything over D = N/T dp ranks, ``(4 + 4 + 8)(Ψ_tp/(D·T)
++ Ψ_rep/D)`` (Ψ_rep: the parameters its plan leaves whole, here row-wise biases).
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ import resource
 import statistics
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from benchmarks.workload import Workload, run_unison, steady_step_time
 
 SCALING = ("ddp", "fsdp")
-MEMORY = ("ddp", "torch_zero", "zero1", "zero2", "zero3", "fsdp", "hsdp")
+#: Composed strategies, timed where their 2x2 mesh exists (world 4), beside fsdp.
+COMPOSED_SCALING = ("hsdp", "fsdp_tp")
+MEMORY = ("ddp", "torch_zero", "zero1", "zero2", "zero3", "fsdp", "hsdp", "fsdp_tp")
 
 #: (parameters, gradients, optimizer state) bytes per parameter, as functions of N, fp32 + Adam.
 ZERO_FORMULA = {
@@ -51,7 +59,38 @@ ZERO_FORMULA_TEXT = {
     "zero3": "(4+4+12)Ψ/N",
     "fsdp": "(4+4+8)Ψ/N",
     "hsdp": "(4+4+8)Ψ/S, S = shard_size = 2",
+    "fsdp_tp": "(4+4+8)(Ψ_tp/(D·T) + Ψ_rep/D), T = tp_size = 2, D = N/T",
 }
+#: fsdp_tp: tp_size (the strategy's default), and the parameters its plan splits over tp.
+TP_SIZE = 2
+
+
+def tp_split(model: torch.nn.Module) -> int:
+    """Parameters the model's ``tp_plan`` splits over tp: every planned weight, and colwise biases.
+
+    A rowwise layer's bias is added after the all-reduce of its output: it stays whole on every tp rank.
+    """
+    plan = getattr(model, "tp_plan", {})
+    modules = dict(model.named_modules())
+    split = 0
+    for name, style in plan.items():
+        layer = modules[name]
+        split += layer.weight.numel()
+        if style == "colwise" and layer.bias is not None:
+            split += layer.bias.numel()
+    return split
+
+
+def memory_formula(strategy: str, n: int, w: Workload) -> tuple[float, float, float]:
+    """Bytes per rank for parameters, gradients and optimizer state by the formula of ``strategy`` at world ``n``."""
+    psi = w.parameters()
+    if strategy == "fsdp_tp":
+        tp, dp = TP_SIZE, n // TP_SIZE
+        split = tp_split(w.model())
+        effective = split / (dp * tp) + (psi - split) / dp
+        return 4.0 * effective, 4.0 * effective, 8.0 * effective
+    fp, fg, fo = ZERO_FORMULA[strategy]
+    return fp(n) * psi, fg(n) * psi, fo(n) * psi
 
 
 def _rss_mib() -> float:
@@ -86,7 +125,7 @@ def world_memory_scaling(w: Workload, rounds: int, memory: bool) -> dict[str, An
     """Run on every rank of a world of any size."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     out: dict[str, Any] = {"world": world, "scaling": {}, "memory": {}}
-    for strategy in SCALING:
+    for strategy in SCALING + (COMPOSED_SCALING if world == 4 else ()):
         times = []
         for _ in range(rounds):
             if dist.is_initialized():

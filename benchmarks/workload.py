@@ -34,6 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
+#: Strategies that shard with FSDP2 units: they get the same units as the hand-written fsdp loop.
+FSDP2_FAMILY = ("fsdp", "hsdp", "fsdp_tp")
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -61,7 +64,12 @@ class Workload:
         for a, b in itertools.pairwise(dims):
             mods += [torch.nn.Linear(a, b), torch.nn.Tanh()]
         mods.append(torch.nn.Linear(dims[-1], 1))
-        return torch.nn.Sequential(*mods)
+        model = torch.nn.Sequential(*mods)
+        # fsdp_tp's plan (every other strategy ignores it): the Linears in colwise -> rowwise pairs, so the
+        # activations between two pairs are whole on every tp rank.
+        linears = [str(i) for i, m in enumerate(mods) if isinstance(m, torch.nn.Linear)]
+        model.tp_plan = {name: ("colwise", "rowwise")[i % 2] for i, name in enumerate(linears[: len(linears) // 2 * 2])}
+        return model
 
     def data(self) -> TensorDataset:
         g = torch.Generator().manual_seed(123)
@@ -89,7 +97,7 @@ class Workload:
 
     def strategy_options(self, strategy: str) -> dict[str, Any] | None:
         """Options that make unison's backend set up as the hand-written loop does (FSDP's units)."""
-        return {"shard_module_classes": list(self.shard_classes)} if strategy == "fsdp" else None
+        return {"shard_module_classes": list(self.shard_classes)} if strategy in FSDP2_FAMILY else None
 
     def unison_settings(self, **extra: Any) -> dict[str, Any]:
         return {

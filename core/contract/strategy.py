@@ -393,8 +393,8 @@ class Strategy(abc.ABC):
         """Sum ``tensor`` over data-parallel replicas; returned on every rank, on this rank's device."""
         assert self.env is not None
         out = tensor.detach().to(self.env.device)
-        if not self.env.distributed:
-            return out
+        if not self.env.distributed or self.data_parallel_size(self.env.world_size) == 1:
+            return out  # one replica (a pipeline over the whole world): nothing to sum over
         out = out.clone()
         torch.distributed.all_reduce(out, group=self.data_parallel_group())
         return out
