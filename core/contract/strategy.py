@@ -75,6 +75,9 @@ from unison.contract.ownership import (
 )
 from unison.contract.settings import TrainerSettings
 from unison.contract.state import canonical, dcp_load, dcp_save
+
+# Moved to unison.contract.tensor_parallel; imported here so the public name of API 2.1 keeps working.
+from unison.contract.tensor_parallel import tensor_parallel_plan
 from unison.data.batch import move_to_device
 from unison.errors import ConfigurationError
 from unison.plugin.registry import StrategySpec
@@ -179,24 +182,6 @@ def model_features(model: torch.nn.Module) -> dict[Feature, str]:
     if tensor_parallel_plan(model) is None:
         needs[Feature.NO_TENSOR_PARALLEL_PLAN] = f"{type(model).__name__} declares no tp_plan or base_model_tp_plan"
     return needs
-
-
-def tensor_parallel_plan(model: torch.nn.Module) -> dict[str, str] | None:
-    """The model's own tensor-parallel plan, ``{submodule name or pattern: style}``, or ``None``.
-
-    Read from ``model.tp_plan`` (a mapping, or a method returning one), else Hugging Face's
-    ``base_model_tp_plan`` on the model or on its ``config`` (patterns such as
-    ``"layers.*.self_attn.q_proj"``, styles such as ``"colwise"`` and ``"rowwise"``). An empty plan
-    is no plan. Which styles a strategy applies, and how patterns match, is the strategy's to decide.
-    """
-    plan = getattr(model, "tp_plan", None)
-    if callable(plan):
-        plan = plan()
-    if not plan:
-        plan = getattr(model, "base_model_tp_plan", None) or getattr(
-            getattr(model, "config", None), "base_model_tp_plan", None
-        )
-    return {str(k): str(v) for k, v in plan.items()} if plan else None
 
 
 # --------------------------------------------------------------------------- #

@@ -8,7 +8,7 @@ a TP-split weight is sharded again over ``dp``).
 
 Decisions:
 
-* **The plan comes from the model** (:func:`unison.contract.strategy.tensor_parallel_plan`):
+* **The plan comes from the model** (:func:`unison.contract.tensor_parallel.tensor_parallel_plan`):
   ``tp_plan`` (a mapping or a method returning one) or Hugging Face's
   ``base_model_tp_plan`` (on the model or its ``config``), ``{submodule name or
   pattern: style}``. Patterns use Hugging Face's ``*`` for one path segment
@@ -44,7 +44,6 @@ Decisions:
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import pydantic
@@ -62,8 +61,8 @@ from unison.contract.ownership import (
     StateDictKind,
     WorldSizes,
 )
-from unison.contract.strategy import tensor_parallel_plan
-from unison.errors import ConfigurationError, DeclaredRefusal
+from unison.contract.tensor_parallel import resolve_plan, tensor_parallel_plan
+from unison.errors import DeclaredRefusal
 from unison.strategies.fsdp.common import SHARDED_DCP, FSDPOptions, precision_table
 from unison.strategies.fsdp.fsdp2 import FSDP2Strategy
 
@@ -75,9 +74,6 @@ _NOTES = (
     "No sequence or loss parallel: outside a colwise -> rowwise pair, activations are whole on every tp rank",
     "Tensor parallel and sharding mutate the user's module in place (parameters become DTensors)",
 )
-
-#: The plan styles applied, by Hugging Face's names.
-STYLES = ("colwise", "rowwise")
 
 
 class FSDPTPOptions(FSDPOptions):
@@ -107,42 +103,6 @@ def fsdp_tp_mesh(tp_size: int) -> MeshLayout:
             ),
         )
     )
-
-
-def resolve_plan(model: torch.nn.Module, plan: dict[str, str], tp_size: int) -> dict[str, str]:
-    """The plan with its patterns expanded to submodule names; :class:`ConfigurationError` for what cannot run."""
-    modules = dict(model.named_modules())
-    resolved: dict[str, str] = {}
-    for key, style in plan.items():
-        if style not in STYLES:
-            raise ConfigurationError(
-                "model.tp_plan",
-                f"tensor-parallel style {style!r} (for {key!r}) is not supported by fsdp_tp",
-                f"use one of {', '.join(map(repr, STYLES))} (ColwiseParallel / RowwiseParallel)",
-            )
-        pattern = re.compile("^" + re.escape(key).replace(r"\*", r"[^.]+") + "$")
-        names = [n for n in modules if n and pattern.match(n)]
-        if not names:
-            raise ConfigurationError(
-                "model.tp_plan", f"plan entry {key!r} matches no submodule", "name submodules of the model"
-            )
-        for name in names:
-            module = modules[name]
-            if not isinstance(module, torch.nn.Linear):
-                raise ConfigurationError(
-                    "model.tp_plan",
-                    f"plan entry {key!r} names {name!r}, a {type(module).__name__}; fsdp_tp splits nn.Linear only",
-                    "plan Linear layers",
-                )
-            split = module.out_features if style == "colwise" else module.in_features
-            if split % tp_size:
-                raise ConfigurationError(
-                    "strategy_options.tp_size",
-                    f"{name!r} ({style}) splits {split} features, not divisible by tp_size={tp_size}",
-                    "pick a tp_size that divides every split dimension",
-                )
-            resolved[name] = style
-    return resolved
 
 
 class FSDPTPStrategy(FSDP2Strategy):
@@ -225,7 +185,7 @@ class FSDPTPStrategy(FSDP2Strategy):
                 self.ownership.refusal(Feature.NO_TENSOR_PARALLEL_PLAN) or "",
                 feature=Feature.NO_TENSOR_PARALLEL_PLAN.value,
             )
-        resolve_plan(model, plan, self.options.tp_size)
+        resolve_plan(model, plan, self.options.tp_size, who=self.name)
 
     def _shard_mesh(self, env: DistEnv, module: torch.nn.Module) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
@@ -234,7 +194,7 @@ class FSDPTPStrategy(FSDP2Strategy):
         layout = self.mesh_layout
         mesh = init_device_mesh(env.device.type, layout.shape(env.world_size), mesh_dim_names=layout.names)
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        plan = resolve_plan(module, tensor_parallel_plan(module) or {}, self.options.tp_size)
+        plan = resolve_plan(module, tensor_parallel_plan(module) or {}, self.options.tp_size, who=self.name)
         parallelize_module(module, mesh["tp"], {name: styles[style]() for name, style in plan.items()})
         self._dp_group = mesh["dp"].get_group()
         return mesh["dp"]
