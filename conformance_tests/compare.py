@@ -87,9 +87,14 @@ def _buffer_names(scenario: Scenario) -> list[str]:
 #: strategies fewer, each over more samples).
 _PER_REPLICA_BATCH_HOOKS = ("unison_validation_progress",)
 
+#: Hooks a strategy asks about the user's model, outside the lifecycle order every backend shares: only a
+#: tensor-parallel strategy asks for the plan of a model without one (once per submodule, at its checks
+#: and again when it shards), the reference never does.
+_STRATEGY_QUERY_HOOKS = ("unison_tensor_parallel_plan",)
+
 
 def _comparable_hooks(hooks: list[str]) -> list[str]:
-    return [h for h in hooks if h not in _PER_REPLICA_BATCH_HOOKS]
+    return [h for h in hooks if h not in _PER_REPLICA_BATCH_HOOKS and h not in _STRATEGY_QUERY_HOOKS]
 
 
 def judge_scenario(

@@ -30,8 +30,11 @@ perturb every rank but 0 on purpose):
   ``Linear`` (the activation checkpointing scenario: blocks whose forward is recomputed).
 * ``block``: a transformer block (causal self-attention + MLP, pre-norm, residuals)
   over the features cut into tokens, an ``nn.Sequential`` (embed, block, head:
-  pipelines cut it) with a tensor-parallel plan (:func:`_block`), so every
-  family runs it.
+  pipelines cut it), so every family runs it. It declares no tensor-parallel
+  plan of its own: this module is a plugin (entry point ``conformance_models`` of
+  the ``unison`` group) whose ``unison_tensor_parallel_plan`` registers
+  :data:`TRANSFORMER_BLOCK_TP_PLAN` for every :class:`TransformerBlock`, so
+  tensor-parallel strategies split it through the plugin path a third party uses.
 * ``groups``: the MLP trained with two parameter groups (matrices: one lr and
   weight decay; vectors: half the lr, no weight decay). Groups are formed by
   ``param.ndim`` because the optimizer factory receives the parameters a
@@ -45,6 +48,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+
+from unison.plugin import hookimpl
 
 IN_FEATURES = 8
 
@@ -244,29 +249,35 @@ class PoolHead(torch.nn.Module):
         return self.out(x.mean(dim=1))
 
 
-#: The ``block`` model's tensor-parallel plan (Megatron's: attention projections q, k, v colwise, the output
-#: projection rowwise; the MLP's up colwise, down rowwise). Child ``1`` is the block.
-BLOCK_TP_PLAN = {
-    "1.q": "colwise",
-    "1.k": "colwise",
-    "1.v": "colwise",
-    "1.o": "rowwise",
-    "1.up": "colwise",
-    "1.down": "rowwise",
+#: The tensor-parallel plan of a :class:`TransformerBlock`, relative to the block (Megatron's: the attention
+#: projections q, k, v colwise, the output projection rowwise; the MLP's up colwise, down rowwise).
+TRANSFORMER_BLOCK_TP_PLAN = {
+    "q": "colwise",
+    "k": "colwise",
+    "v": "colwise",
+    "o": "rowwise",
+    "up": "colwise",
+    "down": "rowwise",
 }
 
 
+@hookimpl
+def unison_tensor_parallel_plan(module: torch.nn.Module) -> dict[str, str] | None:
+    """:data:`TRANSFORMER_BLOCK_TP_PLAN` for a :class:`TransformerBlock` (any model holding one gets it under
+    the block's name: ``1.q``, ... in the ``block`` model); ``None`` for every other module."""
+    return dict(TRANSFORMER_BLOCK_TP_PLAN) if isinstance(module, TransformerBlock) else None
+
+
 def _block() -> torch.nn.Sequential:
-    """``head(block(embed(x)))`` as an ``nn.Sequential`` (so every pipeline can cut it) with a tensor-parallel
-    plan (:data:`BLOCK_TP_PLAN`); data-parallel strategies train it whole.
+    """``head(block(embed(x)))`` as an ``nn.Sequential`` (so every pipeline can cut it); tensor-parallel
+    strategies split the block by the plan registered for :class:`TransformerBlock`
+    (:func:`unison_tensor_parallel_plan`), data-parallel strategies train it whole.
 
     Its children keep the Sequential's index names, as the other models do: ``deepspeed_pipeline``
     exports a Sequential's state under the indices of its layer list, so named children would come back
     under other keys (the suite fails that as "state_dict keys").
     """
-    model = torch.nn.Sequential(SequenceEmbed(), TransformerBlock(), PoolHead())
-    model.tp_plan = dict(BLOCK_TP_PLAN)
-    return model
+    return torch.nn.Sequential(SequenceEmbed(), TransformerBlock(), PoolHead())
 
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {

@@ -16,6 +16,7 @@ comparison accepts a refusal only when one of those is declared refused.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ from unison.conformance.data import DictRegression, Sizing, backoff_data, overfl
 from unison.conformance.models import _OPTIMIZER_CLASSES, OUTPUT_OFFSET, Perturbation, build_model
 from unison.contract.ownership import Feature
 from unison.contract.strategy import model_features
+from unison.plugin.manager import PluginManager
 
 #: The precision each scenario trains in, and the precisions the suite knows tolerances for.
 FP32, BF16_MIXED, FP16_MIXED = "32-true", "bf16-mixed", "16-mixed"
@@ -178,6 +180,13 @@ class Scenario:
         }
 
 
+@functools.cache
+def _installed_plugins() -> PluginManager:
+    """The installed plugins (lazy: an entry point is imported only for a hook it names), asked for the
+    tensor-parallel plans they register for the models' blocks (the ``block`` model's comes from one)."""
+    return PluginManager(lazy=True)
+
+
 def needs(scenario: Scenario, run: Run) -> dict[str, str]:
     """What ``run`` asks of a strategy, each with why: :class:`~unison.contract.ownership.Feature` values and
     ``"precision:NAME"``. A strategy may refuse the run only if it declares one of these refused
@@ -200,7 +209,7 @@ def needs(scenario: Scenario, run: Run) -> dict[str, str]:
     if overrides.get("activation_checkpointing") is not None:
         policy = overrides["activation_checkpointing"]
         out[Feature.ACTIVATION_CHECKPOINTING.value] = f"activation_checkpointing={policy!r}"
-    for feature, evidence in model_features(build_model(scenario.model)).items():
+    for feature, evidence in model_features(build_model(scenario.model), _installed_plugins()).items():
         out[feature.value] = f"model {scenario.model!r}: {evidence}"
     out[f"precision:{scenario.precision}"] = f"precision={scenario.precision!r}"
     # Every run trains with an optimizer from the factory; a strategy that runs

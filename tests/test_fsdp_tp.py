@@ -123,7 +123,7 @@ def test_a_plan_that_cannot_run_is_refused_naming_the_entry(world_of_4, plan, ma
 
 
 def test_hugging_face_plans_and_patterns_resolve():
-    from unison.strategies.fsdp.tensor_parallel import resolve_plan
+    from unison.contract.tensor_parallel import resolve_plan, tensor_parallel_plan
 
     class Block(torch.nn.Module):
         def __init__(self) -> None:
@@ -134,10 +134,8 @@ def test_hugging_face_plans_and_patterns_resolve():
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([Block(), Block()])
     model.config = type("Config", (), {"base_model_tp_plan": {"layers.*.up": "colwise", "layers.*.down": "rowwise"}})
-    from unison.contract.strategy import tensor_parallel_plan
-
     plan = tensor_parallel_plan(model)
-    assert resolve_plan(model, plan, 2) == {
+    assert resolve_plan(model, plan, 2, who="fsdp_tp") == {
         "layers.0.up": "colwise",
         "layers.1.up": "colwise",
         "layers.0.down": "rowwise",

@@ -74,6 +74,12 @@ def _fire_every_hook(tmp_path: Path) -> None:
     def broken_loss(outputs, targets):
         raise RuntimeError("boom")
 
+    # a tensor-parallel strategy asks the plugins for the plan of a model without one (nobody knows the MLP)
+    with pytest.raises(unison.DeclaredRefusal, match="unison_tensor_parallel_plan"):
+        unison.Trainer(
+            strategy="fsdp_tp", strategy_options={"tp_size": 1}, global_batch_size=16, max_steps=1, progress="off"
+        ).fit(mlp(), regression_data(), loss_fn=torch.nn.functional.mse_loss, optimizer=torch.optim.SGD)
+
     # a URL location: the storage backends are asked for its scheme (one nobody registered)
     with pytest.raises(unison.ConfigurationError, match="'gs'"):
         unison.Trainer(strategy="single", max_steps=2, progress="off", checkpoint_dir="gs://bucket/run")

@@ -38,3 +38,18 @@ def fsdp_tp_world(ckpt_root: str) -> dict[str, Any]:
         counts[accumulate] = counter.per_step
     out["collectives"] = counts
     return out
+
+
+def plugin_planned_world() -> dict[str, Any]:
+    """fsdp_tp on a model that has no plan of its own: tests/tp_plan_plugin.py (in ``UNISON_PLUGINS``) plans
+    its blocks. Returns the run and, per parameter, the mesh dimensions it ended up split over."""
+    from torch.distributed.tensor import DTensor
+
+    from tp_plan_plugin import Stack
+
+    model = Stack()
+    out = train("fsdp_tp", model=model, max_steps=8)
+    out["meshes"] = {
+        name: p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None for name, p in model.named_parameters()
+    }
+    return out

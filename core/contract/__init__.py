@@ -10,6 +10,8 @@
   state_dict and replica init;
 * :mod:`~unison.contract.precision` - the precision contract the trainer drives;
 * :mod:`~unison.contract.state` - DCP model/optimizer state and RNG helpers strategies share;
+* :mod:`~unison.contract.tensor_parallel` - tensor-parallel plans: the model's own, else the plans
+  plugins register for its block types (``unison_tensor_parallel_plan``), and how entries name layers;
 * :mod:`~unison.contract.env` - where a process sits in the world;
 * :mod:`~unison.contract.settings` - the trainer settings every strategy receives.
 

@@ -150,7 +150,8 @@ class Feature(str, enum.Enum):
     #: (``pipeline_layers = [child names in forward order]``).
     ARBITRARY_MODULE = "arbitrary_module"
     #: A model that declares no tensor-parallel plan (``tp_plan``, or Hugging Face's ``base_model_tp_plan``
-    #: on the model or its ``config``): which submodules are split column-wise and row-wise.
+    #: on the model or its ``config``: which submodules are split column-wise and row-wise) and whose
+    #: blocks no plugin plans (``unison_tensor_parallel_plan``; :mod:`unison.contract.tensor_parallel`).
     NO_TENSOR_PARALLEL_PLAN = "no_tensor_parallel_plan"
     #: An optimizer of any class from the optimizer factory (a strategy that
     #: runs its own optimizer accepts only the classes its reason names).
@@ -177,7 +178,10 @@ _FEATURE_DESCRIPTIONS = {
     Feature.FROZEN_PARAMETERS: "models with frozen parameters (requires_grad=False)",
     Feature.BUFFERS: "models with buffers",
     Feature.ARBITRARY_MODULE: "models that are not an nn.Sequential and declare no split points (pipeline_layers)",
-    Feature.NO_TENSOR_PARALLEL_PLAN: "models that declare no tensor-parallel plan (tp_plan / base_model_tp_plan)",
+    Feature.NO_TENSOR_PARALLEL_PLAN: (
+        "models that declare no tensor-parallel plan (tp_plan / base_model_tp_plan) and whose blocks no plugin "
+        "plans (unison_tensor_parallel_plan)"
+    ),
     Feature.ANY_OPTIMIZER: "any optimizer class from the optimizer factory",
     Feature.COMPILE: "torch.compile of the model (compile)",
     Feature.ACTIVATION_CHECKPOINTING: "activation checkpointing of the model's blocks (activation_checkpointing)",

@@ -75,12 +75,16 @@ from unison.contract.ownership import (
 )
 from unison.contract.settings import TrainerSettings
 from unison.contract.state import canonical, dcp_load, dcp_save
+
+# Moved to unison.contract.tensor_parallel; imported here so the public name of API 2.1 keeps working.
+from unison.contract.tensor_parallel import tensor_parallel_plan
 from unison.data.batch import move_to_device
 from unison.errors import ConfigurationError
 from unison.plugin.registry import StrategySpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from unison.contract.precision import Precision
+    from unison.plugin.manager import PluginManager
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -159,10 +163,12 @@ def check_contract(strategy: Strategy) -> None:
         )
 
 
-def model_features(model: torch.nn.Module) -> dict[Feature, str]:
+def model_features(model: torch.nn.Module, plugins: PluginManager | None = None) -> dict[Feature, str]:
     """The :class:`Feature` values a model needs (tied weights, frozen parameters, buffers,
-    an arbitrary module), each with the evidence; the conformance suite uses it to know which
-    declared refusals a scenario may meet."""
+    an arbitrary module, no tensor-parallel plan), each with the evidence; the conformance suite uses
+    it to know which declared refusals a scenario may meet. ``plugins``: the plugin manager whose
+    ``unison_tensor_parallel_plan`` implementations may plan the model's blocks
+    (:func:`~unison.contract.tensor_parallel.tensor_parallel_plan`; ``None``: the model's own plan only)."""
     needs: dict[Feature, str] = {}
     seen: dict[int, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -176,27 +182,11 @@ def model_features(model: torch.nn.Module) -> dict[Feature, str]:
         needs[Feature.BUFFERS] = f"buffer {buffer[0]!r}"
     if not isinstance(model, torch.nn.Sequential) and getattr(model, "pipeline_layers", None) is None:
         needs[Feature.ARBITRARY_MODULE] = f"{type(model).__name__} is not an nn.Sequential and has no pipeline_layers"
-    if tensor_parallel_plan(model) is None:
-        needs[Feature.NO_TENSOR_PARALLEL_PLAN] = f"{type(model).__name__} declares no tp_plan or base_model_tp_plan"
-    return needs
-
-
-def tensor_parallel_plan(model: torch.nn.Module) -> dict[str, str] | None:
-    """The model's own tensor-parallel plan, ``{submodule name or pattern: style}``, or ``None``.
-
-    Read from ``model.tp_plan`` (a mapping, or a method returning one), else Hugging Face's
-    ``base_model_tp_plan`` on the model or on its ``config`` (patterns such as
-    ``"layers.*.self_attn.q_proj"``, styles such as ``"colwise"`` and ``"rowwise"``). An empty plan
-    is no plan. Which styles a strategy applies, and how patterns match, is the strategy's to decide.
-    """
-    plan = getattr(model, "tp_plan", None)
-    if callable(plan):
-        plan = plan()
-    if not plan:
-        plan = getattr(model, "base_model_tp_plan", None) or getattr(
-            getattr(model, "config", None), "base_model_tp_plan", None
+    if tensor_parallel_plan(model, plugins) is None:
+        needs[Feature.NO_TENSOR_PARALLEL_PLAN] = f"{type(model).__name__} declares no tp_plan or base_model_tp_plan" + (
+            "" if plugins is None else ", and no plugin's unison_tensor_parallel_plan knows its blocks"
         )
-    return {str(k): str(v) for k, v in plan.items()} if plan else None
+    return needs
 
 
 # --------------------------------------------------------------------------- #
@@ -216,6 +206,9 @@ class Strategy(abc.ABC):
     #: The plugin API version the class was written against (:data:`~unison.contract.version.API_VERSION`);
     #: ``None``: not declared, read from the ``setup`` signature at registration.
     api_version: str | None = None
+    #: The run's plugin manager, bound when the trainer builds the strategy (``None`` outside a run),
+    #: for the hooks a strategy asks about the user's model: ``unison_tensor_parallel_plan`` (API 2.2).
+    plugins: PluginManager | None = None
 
     def __init__(self) -> None:
         #: Bound by the trainer before :meth:`setup` (``None`` until then).

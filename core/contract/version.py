@@ -36,7 +36,11 @@ from unison.errors import PluginError
 #: 2.1 (additive, no migration): the ``apply_features`` hook and the ``compile`` / ``activation_checkpointing``
 #: features a strategy may refuse. A minor version only adds, so a plugin written for 2.0 registers unchanged.
 #: 2.1 (additive): ``Ownership.mesh`` declares a composed strategy's device mesh (:mod:`unison.contract.mesh`).
-API_VERSION = "2.1"
+#: 2.2 (additive, no migration): the ``unison_tensor_parallel_plan`` hookspec (plans for known block types)
+#: and ``Strategy.plugins`` (the run's plugin manager, for the hooks a strategy asks about the model);
+#: ``tensor_parallel_plan`` moved to :mod:`unison.contract.tensor_parallel` (still importable from
+#: :mod:`unison.contract.strategy`).
+API_VERSION = "2.2"
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,12 @@ docs/hooks.md repeats it::
     unison_on_fit_end
 
 Outside this order: ``unison_default_plugins`` and ``unison_on_trainer_init``
-run once, in ``Trainer(...)``; ``unison_validation_progress`` ticks after each
-validation batch between ``unison_on_validation_start`` and
-``unison_on_validation_end`` (its count depends on the data-parallel size, so
-it is not part of the order every backend shares).
+run once, in ``Trainer(...)``; ``unison_tensor_parallel_plan`` is asked by a
+tensor-parallel strategy, before any process group, about a model without a
+plan; ``unison_validation_progress`` ticks after each validation batch
+between ``unison_on_validation_start`` and ``unison_on_validation_end`` (its
+count depends on the data-parallel size, so it is not part of the order every
+backend shares).
 
 A plugin that sets ``trainer.should_stop`` ends the loop after the current
 step's validation and checkpoint; the final validation and checkpoint then do
@@ -188,6 +190,39 @@ def unison_storage_backends() -> dict[str, StorageFactory]:
         it cannot use (a missing client library, a refused credential). A
         scheme registered by two plugins is a :class:`~unison.PluginError`
         naming both.
+    """
+
+
+# --------------------------------------------------------------------------- #
+# The user's model: asked by strategies, before any process group.
+# --------------------------------------------------------------------------- #
+
+
+@hookspec(firstresult=True)
+def unison_tensor_parallel_plan(module: torch.nn.Module) -> dict[str, str] | None:
+    """The tensor-parallel plan of a block whose type this plugin knows (a class it ships or supports).
+
+    Called by :func:`unison.contract.tensor_parallel.tensor_parallel_plan` (the tensor-parallel
+    strategies' ``validate_model``, on every rank before any process group, and again when they
+    shard the model after it; :func:`~unison.contract.strategy.model_features`) for a model that
+    declares no plan of its own (no ``tp_plan`` nor Hugging Face ``base_model_tp_plan``: the
+    model's plan always wins). It is asked about the model and each submodule, outermost first,
+    except inside a block already answered for. Must not do collective work.
+
+    ``module`` is the model or one of its submodules; answer only for types you know (by class),
+    and ``None`` for anything else.
+
+    Returns:
+        ``{submodule name or pattern relative to module: style}`` (``"colwise"`` or ``"rowwise"``,
+        Hugging Face's names; ``*`` matches one name segment), e.g. ``{"mlp.up": "colwise",
+        "mlp.down": "rowwise"}``; the caller prefixes each key with the block's qualified name
+        (``layers.0.mlp.up``) and composes every block's plan into the model's. ``{}``: a known
+        block with nothing to split. ``None``: not a type this plugin knows.
+
+    ``firstresult``: one plugin plans a block, whole, because a plan's colwise and rowwise layers
+    pair up (two plugins' partial plans merged could split a layer without its partner). The first
+    non-``None`` answer wins, in pluggy's order: the plugin registered last is asked first, so a
+    user's plugin overrides a built-in plan for the same type (``tryfirst``/``trylast`` adjust).
     """
 
 

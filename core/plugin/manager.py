@@ -351,6 +351,11 @@ class PluginManager:
                     owners[scheme], backends[scheme] = plugin_name, factory
         return backends
 
+    def unison_tensor_parallel_plan(self, *, module: torch.nn.Module) -> dict[str, str] | None:
+        """The first plugin's plan for ``module`` (``firstresult``), or ``None`` when no plugin knows its type."""
+        plan: dict[str, str] | None = self._call("unison_tensor_parallel_plan")(module=module)
+        return plan
+
     def unison_on_fit_start(self, *, trainer: Trainer) -> None:
         self._call("unison_on_fit_start")(trainer=trainer)
 

@@ -74,6 +74,7 @@ def build_strategy(settings: TrainerSettings, pm: PluginManager, world_size: int
     too so that bad input fails before workers start.
     """
     strategy = pm.strategies.create(settings.strategy, settings.strategy_options)
+    strategy.plugins = pm  # the hooks it asks about the model (a tensor-parallel plan) see this run's plugins
     check_contract(strategy)
     ownership = strategy.ownership
     support = ownership.precision_support(settings.precision)

@@ -8,19 +8,22 @@ a TP-split weight is sharded again over ``dp``).
 
 Decisions:
 
-* **The plan comes from the model** (:func:`unison.contract.strategy.tensor_parallel_plan`):
-  ``tp_plan`` (a mapping or a method returning one) or Hugging Face's
+* **The plan comes from the model, else from plugins**
+  (:func:`unison.contract.tensor_parallel.tensor_parallel_plan`, with the run's plugins): the
+  model's own ``tp_plan`` (a mapping or a method returning one) or Hugging Face's
   ``base_model_tp_plan`` (on the model or its ``config``), ``{submodule name or
-  pattern: style}``. Patterns use Hugging Face's ``*`` for one path segment
-  (``"layers.*.mlp.up_proj"``). Styles: ``"colwise"`` -> ``ColwiseParallel()``,
+  pattern: style}``, wins whole; a model without one gets the plans plugins register
+  for its known block types (the ``unison_tensor_parallel_plan`` hook), composed
+  under the blocks' qualified names. Patterns use Hugging Face's ``*`` for one path
+  segment (``"layers.*.mlp.up_proj"``). Styles: ``"colwise"`` -> ``ColwiseParallel()``,
   ``"rowwise"`` -> ``RowwiseParallel()``; every other Hugging Face style
   (``"colwise_rep"``, ``"sequence_parallel"``, ``"local_*"``, ...) is refused
   before any process group, naming it. No sequence or loss parallel: a
   ``RowwiseParallel`` output is replicated over ``tp``, so the user's
   ``loss_fn`` / ``training_step`` sees whole tensors.
-* **A model without a plan is refused** before any process group, and the
-  refusal is declared (``Feature.NO_TENSOR_PARALLEL_PLAN``): there is no
-  general way to guess which layers pair up.
+* **A model without a plan is refused** (neither its own nor a plugin's) before
+  any process group, and the refusal is declared (``Feature.NO_TENSOR_PARALLEL_PLAN``):
+  there is no general way to guess which layers pair up.
 * **Data.** ``tp`` ranks of one ``dp`` index compute on the same samples:
   ``data_parallel_size`` is ``world / tp_size``, losses and metrics are
   reduced over the ``dp`` group.
@@ -44,7 +47,6 @@ Decisions:
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import pydantic
@@ -62,8 +64,8 @@ from unison.contract.ownership import (
     StateDictKind,
     WorldSizes,
 )
-from unison.contract.strategy import tensor_parallel_plan
-from unison.errors import ConfigurationError, DeclaredRefusal
+from unison.contract.tensor_parallel import resolve_plan, tensor_parallel_plan
+from unison.errors import DeclaredRefusal
 from unison.strategies.fsdp.common import SHARDED_DCP, FSDPOptions, precision_table
 from unison.strategies.fsdp.fsdp2 import FSDP2Strategy
 
@@ -75,9 +77,6 @@ _NOTES = (
     "No sequence or loss parallel: outside a colwise -> rowwise pair, activations are whole on every tp rank",
     "Tensor parallel and sharding mutate the user's module in place (parameters become DTensors)",
 )
-
-#: The plan styles applied, by Hugging Face's names.
-STYLES = ("colwise", "rowwise")
 
 
 class FSDPTPOptions(FSDPOptions):
@@ -107,42 +106,6 @@ def fsdp_tp_mesh(tp_size: int) -> MeshLayout:
             ),
         )
     )
-
-
-def resolve_plan(model: torch.nn.Module, plan: dict[str, str], tp_size: int) -> dict[str, str]:
-    """The plan with its patterns expanded to submodule names; :class:`ConfigurationError` for what cannot run."""
-    modules = dict(model.named_modules())
-    resolved: dict[str, str] = {}
-    for key, style in plan.items():
-        if style not in STYLES:
-            raise ConfigurationError(
-                "model.tp_plan",
-                f"tensor-parallel style {style!r} (for {key!r}) is not supported by fsdp_tp",
-                f"use one of {', '.join(map(repr, STYLES))} (ColwiseParallel / RowwiseParallel)",
-            )
-        pattern = re.compile("^" + re.escape(key).replace(r"\*", r"[^.]+") + "$")
-        names = [n for n in modules if n and pattern.match(n)]
-        if not names:
-            raise ConfigurationError(
-                "model.tp_plan", f"plan entry {key!r} matches no submodule", "name submodules of the model"
-            )
-        for name in names:
-            module = modules[name]
-            if not isinstance(module, torch.nn.Linear):
-                raise ConfigurationError(
-                    "model.tp_plan",
-                    f"plan entry {key!r} names {name!r}, a {type(module).__name__}; fsdp_tp splits nn.Linear only",
-                    "plan Linear layers",
-                )
-            split = module.out_features if style == "colwise" else module.in_features
-            if split % tp_size:
-                raise ConfigurationError(
-                    "strategy_options.tp_size",
-                    f"{name!r} ({style}) splits {split} features, not divisible by tp_size={tp_size}",
-                    "pick a tp_size that divides every split dimension",
-                )
-            resolved[name] = style
-    return resolved
 
 
 class FSDPTPStrategy(FSDP2Strategy):
@@ -191,7 +154,8 @@ class FSDPTPStrategy(FSDP2Strategy):
             refuses={
                 Feature.NO_TENSOR_PARALLEL_PLAN: "fsdp_tp splits the layers the model's plan names; give the "
                 'model tp_plan = {"submodule": "colwise" | "rowwise", ...} (or a Hugging Face '
-                "base_model_tp_plan), or use fsdp / hsdp",
+                "base_model_tp_plan), register a plan for its block types with a plugin's "
+                "unison_tensor_parallel_plan hook, or use fsdp / hsdp",
                 Feature.TIED_WEIGHTS: "a weight tied between a TP-split layer and another module would be split "
                 "one way and whole the other",
             },
@@ -215,17 +179,18 @@ class FSDPTPStrategy(FSDP2Strategy):
 
     def validate_model(self, model: torch.nn.Module, settings: Any) -> None:
         super().validate_model(model, settings)
-        plan = tensor_parallel_plan(model)
+        plan = tensor_parallel_plan(model, self.plugins)
         if plan is None:
             # The declared refusal, raised where the model is known (before any process group).
             raise DeclaredRefusal(
                 "model",
                 f"strategy {self.name!r} declares it does not support "
-                f"{Feature.NO_TENSOR_PARALLEL_PLAN.description}: {type(model).__name__} has none",
+                f"{Feature.NO_TENSOR_PARALLEL_PLAN.description}: {type(model).__name__} has none, and no "
+                "plugin's unison_tensor_parallel_plan knows its blocks",
                 self.ownership.refusal(Feature.NO_TENSOR_PARALLEL_PLAN) or "",
                 feature=Feature.NO_TENSOR_PARALLEL_PLAN.value,
             )
-        resolve_plan(model, plan, self.options.tp_size)
+        resolve_plan(model, plan, self.options.tp_size, who=self.name)
 
     def _shard_mesh(self, env: DistEnv, module: torch.nn.Module) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
@@ -234,7 +199,9 @@ class FSDPTPStrategy(FSDP2Strategy):
         layout = self.mesh_layout
         mesh = init_device_mesh(env.device.type, layout.shape(env.world_size), mesh_dim_names=layout.names)
         styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-        plan = resolve_plan(module, tensor_parallel_plan(module) or {}, self.options.tp_size)
+        plan = resolve_plan(
+            module, tensor_parallel_plan(module, self.plugins) or {}, self.options.tp_size, who=self.name
+        )
         parallelize_module(module, mesh["tp"], {name: styles[style]() for name, style in plan.items()})
         self._dp_group = mesh["dp"].get_group()
         return mesh["dp"]
