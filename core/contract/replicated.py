@@ -55,13 +55,14 @@ class ReplicatedStrategy(Strategy):
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         assert self.module is not None
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        # One walk over the module's parameters per step (it visits every submodule).
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
         # Gradients are already synchronised, so the local norm is the global one.
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         if max_norm is not None:
             # clip_grads_with_norm_ takes the parameters (it scales p.grad);
             # given the gradient tensors it finds no .grad and clips nothing.
-            params = [p for p in self.module.parameters() if p.grad is not None]
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
         return norm
 
