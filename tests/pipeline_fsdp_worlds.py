@@ -21,6 +21,11 @@ def pipeline_fsdp_world(ckpt_root: str) -> dict[str, Any]:
     # fsdp (1-D, 4 shards) -> pipeline_fsdp (2 x 2).
     train("fsdp", max_steps=10, checkpoint_dir=f"{ckpt_root}/fsdp", record=False)
     out["from_fsdp"] = train("pipeline_fsdp", max_steps=20, ckpt_path=f"{ckpt_root}/fsdp/step-00000010", record=False)
+    # bf16-mixed (the sharding policy) and bf16-true (the trainer's cast before sharding).
+    out["precision"] = {
+        precision: train("pipeline_fsdp", record=False, precision=precision)["state"]
+        for precision in ("bf16-mixed", "bf16-true")
+    }
     # The other schedules: one chunk per rank (1f1b) and two (interleaved, looped BFS, zero bubble; V placement).
     out["schedules"] = {
         schedule: train("pipeline_fsdp", record=False, strategy_options={"schedule": schedule})["state"]

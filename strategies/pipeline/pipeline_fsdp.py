@@ -83,6 +83,8 @@ _NOTES = (
     "looped_bfs, interleaved_zero_bubble, zbv_zero_bubble), grad norms rel 1.6e-7; its step-10 checkpoint resumed "
     "under single and under zero3 at world 2 (4.5e-8), an fsdp checkpoint under pipeline_fsdp (6.0e-8); one "
     "reduce-scatter per FSDP unit per optimizer step with 1, 2 or 4 micro-batches (tests/test_pipeline_fsdp.py)",
+    "same run in bf16-mixed vs single's bf16-mixed: 3.8e-4; bf16-true vs single's bf16-true: 2.9e-3 (one bf16 step "
+    "of these weights is 1.95e-3); each 1.9e-2 / 2.0e-2 from fp32",
     "model chunks and schedules are pipeline's; each stage is sharded over its dp replicas by FSDP2",
     "inputs, targets and the activations between chunks must be single tensors",
     "Sharding mutates the user's layers in place (their classes become FSDP subclasses, parameters DTensors)",
