@@ -1,8 +1,9 @@
 """Deliberately wrong compositions on a 2-D mesh, a plugin module the conformance tests register by name.
 
-Each one is ``hsdp`` (FSDP2 on replicate x shard) with exactly one defect that
-is easy to make when a mesh has more than one dimension; the conformance suite
-must refuse to certify each one and name what it broke.
+Each one is ``hsdp`` (FSDP2 on replicate x shard) or ``pipeline_fsdp`` (FSDP2
+inside pipeline stages, dp x pp) with exactly one defect that is easy to make
+when a mesh has more than one dimension; the conformance suite must refuse to
+certify each one and name what it broke.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from unison import StrategySpec, hookimpl
 from unison.strategies.fsdp.hsdp import HSDPOptions, HSDPStrategy
+from unison.strategies.pipeline import PipelineFSDPOptions, PipelineFSDPStrategy
 
 
 class NormOverWholeWorld(HSDPStrategy):
@@ -50,6 +52,23 @@ class DefersReplicateOnly(HSDPStrategy):
             self.model.set_requires_all_reduce(True)
 
 
+class NormOverDataDimOnly(PipelineFSDPStrategy):
+    """Computes the grad norm as ``fsdp`` does (the DTensor norm's ``full_tensor()``, reduced over ``dp``) and
+    stops there: each stage clips by its own stage's norm, not the model's, since the squares are never
+    all-reduced over ``pp``."""
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        assert self.module is not None
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=True)
+        norm = norm.full_tensor()  # the defect: over dp only, no all-reduce over pp
+        if max_norm is not None:
+            coefficient = min(1.0, max_norm / (float(norm) + 1e-6))
+            for p in params:
+                p.grad.mul_(coefficient)
+        return norm
+
+
 @hookimpl
 def unison_strategies() -> list[StrategySpec]:
     return [
@@ -64,5 +83,11 @@ def unison_strategies() -> list[StrategySpec]:
             factory=DefersReplicateOnly,
             description="hsdp whose no_sync() defers the replicate all-reduce only",
             options=HSDPOptions,
+        ),
+        StrategySpec(
+            name="pipeline_fsdp_norm_over_dp",
+            factory=NormOverDataDimOnly,
+            description="pipeline_fsdp whose grad norm is reduced over dp only (each stage's own norm)",
+            options=PipelineFSDPOptions,
         ),
     ]

@@ -46,6 +46,7 @@ FULL_TIER = {
     "test_compile_inductor.py": "torch.compile with inductor: code generation takes seconds per graph",
     "test_hsdp.py": "4-rank worlds (hsdp on a 2x2 mesh, cross-backend resumes)",
     "test_fsdp_tp.py": "4-rank worlds (fsdp_tp on a 2x2 mesh, cross-backend resumes)",
+    "test_pipeline_fsdp.py": "4-rank worlds (pipeline_fsdp on a 2x2 mesh, cross-backend resumes)",
     "test_conformance_broken_composed.py": "the mutation suites for composed strategies at world 4",
 }
 

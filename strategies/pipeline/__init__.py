@@ -1,6 +1,6 @@
-"""Pipeline parallelism: the ``pipeline`` and ``deepspeed_pipeline`` strategies.
+"""Pipeline parallelism: the ``pipeline``, ``pipeline_fsdp`` and ``deepspeed_pipeline`` strategies.
 
-One plugin (entry point ``pipeline``), split by concern:
+One plugin (entry point ``pipeline``) registering three strategies, split by concern:
 
 * :mod:`.layout` – pure functions: the model as a chain of layers, the cut into
   model chunks (balanced by parameter count), the placement of chunks on ranks,
@@ -10,6 +10,7 @@ One plugin (entry point ``pipeline``), split by concern:
   after their schedule: losses on every rank, global clipping, validation,
   canonical state and DCP checkpoints under the model's own names.
 * :mod:`.torch_pipeline` – ``pipeline`` (``torch.distributed.pipelining``).
+* :mod:`.pipeline_fsdp` – ``pipeline_fsdp`` (the same schedules, each stage sharded with FSDP2 over ``dp``).
 * :mod:`.deepspeed_pipeline` – ``deepspeed_pipeline`` (DeepSpeed's pipeline engine).
 """
 
@@ -27,6 +28,7 @@ from unison.strategies.pipeline.layout import (
     check_model,
     split_sequential,
 )
+from unison.strategies.pipeline.pipeline_fsdp import PipelineFSDPOptions, PipelineFSDPStrategy
 from unison.strategies.pipeline.torch_pipeline import PipelineOptions, PipelineStrategy
 
 
@@ -39,6 +41,13 @@ def unison_strategies() -> list[StrategySpec]:
             description="torch.distributed.pipelining (GPipe, 1F1B, interleaved, zero-bubble) over an nn.Sequential "
             "or a module declaring pipeline_layers; schedule-owned accumulation",
             options=PipelineOptions,
+        ),
+        StrategySpec(
+            name="pipeline_fsdp",
+            factory=PipelineFSDPStrategy,
+            description="pipeline's stages and schedules on a pp mesh dimension, each stage sharded with FSDP2 "
+            "fully_shard on dp; schedule-owned accumulation, one reduce-scatter per step",
+            options=PipelineFSDPOptions,
         ),
         StrategySpec(
             name="deepspeed_pipeline",
@@ -56,6 +65,8 @@ __all__ = [
     "ChunkLayout",
     "DeepSpeedPipelineOptions",
     "DeepSpeedPipelineStrategy",
+    "PipelineFSDPOptions",
+    "PipelineFSDPStrategy",
     "PipelineOptions",
     "PipelineStrategy",
     "as_layers",

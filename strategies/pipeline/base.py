@@ -224,7 +224,11 @@ class StagedStrategy(Strategy):
     # -- state ------------------------------------------------------------- #
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         assert self.module is not None
-        mine = canonical(self.module.state_dict())
+        from torch.distributed.tensor import DTensor
+
+        # A stage sharded over its replicas (pipeline_fsdp) holds DTensors: full_tensor() all-gathers them.
+        local = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in self.module.state_dict().items()}
+        mine = canonical(local)
         if self.layout.stages == 1:
             return mine
         parts: list[Any] = [None] * self.layout.stages

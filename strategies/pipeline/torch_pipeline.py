@@ -177,8 +177,11 @@ class PipelineStrategy(StagedStrategy):
     both before any process group starts.
     """
 
+    #: The options model this strategy's options are validated against (``pipeline_fsdp`` extends it).
+    options_model: type[PipelineOptions] = PipelineOptions
+
     def __init__(self, **options: Any) -> None:
-        self.options = PipelineOptions(**options)
+        self.options = self.options_model(**options)
         super().__init__(layout_of(self.options))
         self._loss: tuple[LossFn, Precision, int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self._runners: list[_StageForward] = []
@@ -236,13 +239,18 @@ class PipelineStrategy(StagedStrategy):
         check_model(model, self.layout.chunks, self.options.balance, self.layout.per_rank)
 
     # -- setup ------------------------------------------------------------- #
-    def _mesh_groups(self, env: DistEnv) -> tuple[Any, Any]:
-        """The ``"pp"`` and ``"dp"`` process groups of this rank, from a named DeviceMesh (module doc)."""
+    def _device_mesh(self, env: DistEnv) -> Any:
+        """This world's named ``("dp", "pp")`` DeviceMesh (module doc); its groups carry every collective."""
         from torch.distributed.device_mesh import init_device_mesh
 
         S = self.layout.stages
-        mesh = init_device_mesh(env.device.type, (env.world_size // S, S), mesh_dim_names=("dp", "pp"))
-        return mesh.get_group("pp"), mesh.get_group("dp")
+        return init_device_mesh(env.device.type, (env.world_size // S, S), mesh_dim_names=("dp", "pp"))
+
+    def _prepare_stages(self, runners: list[_StageForward], mesh: Any, precision: Any) -> None:
+        """What happens to each stage's module before it becomes a ``PipelineStage``: nothing here.
+
+        ``pipeline_fsdp`` shards each one with FSDP2 on the ``"dp"`` sub-mesh.
+        """
 
     def setup(
         self,
@@ -259,7 +267,8 @@ class PipelineStrategy(StagedStrategy):
         from torch.distributed import pipelining
 
         o, layout = self.options, self.layout
-        pp_group, dp_group = self._mesh_groups(env)
+        mesh = self._device_mesh(env)
+        pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         balance = check_model(module, layout.chunks, o.balance, layout.per_rank)
         self.settings = settings
         if settings.activation_checkpointing is not None:
@@ -283,6 +292,7 @@ class PipelineStrategy(StagedStrategy):
             micro_batches=settings.accumulate_grad_batches,
         )
         self._runners = [_StageForward(chunks[k]) for k in mine]
+        self._prepare_stages(self._runners, mesh, precision)
         # A PipelineStage whose one-time shape inference (a forward before the
         # first step) does not update buffers such as BatchNorm's statistics.
         stage_class = buffer_keeping_pipeline_stage()
