@@ -324,8 +324,8 @@ def section_worlds(w: Any, rounds: int, timeout: float) -> tuple[list[Table], di
         ms = results[4]["scaling"][s]["median_ms"]
         scaling.add(s, "", "", f"{ms:.2f} ({ms / fsdp4:.2f}x fsdp's)", "", "")
     scaling.note += (
-        " hsdp (2 replicas x 2 shards) and fsdp_tp (2 dp x 2 tp) need a 2x2 mesh: timed at world 4 only, "
-        "beside fsdp's step at world 4."
+        " hsdp (2 replicas x 2 shards), fsdp_tp (2 dp x 2 tp) and pipeline_fsdp (2 replicas x 2 stages) are "
+        "timed where their 2x2 mesh exists, at world 4, beside fsdp's step there."
     )
     psi = w.parameters()
     memory = Table(

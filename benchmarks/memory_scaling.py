@@ -3,7 +3,8 @@
 Both run in one world per size (1, 2, 4 gloo ranks): ``scaling`` times ddp and
 fsdp (median of the rounds; the global batch stays the same, so each rank's
 share shrinks as the world grows), and at world 4 the composed hsdp (2 replicas
-x 2 shards) and fsdp_tp (2 dp x 2 tp) beside them; ``memory`` trains each strategy briefly and
+x 2 shards), fsdp_tp (2 dp x 2 tp) and pipeline_fsdp (2 replicas x 2 stages)
+beside them; ``memory`` trains each strategy briefly and
 reads :meth:`Strategy.memory_footprint` (bytes this rank holds for parameters,
 gradients and optimizer state, counted from the tensors the backend really
 holds) after the last step, with the process's resident set size.
@@ -20,7 +21,9 @@ compared with the paper's K = 12 (master, momentum, variance). Per mesh
 dimension: hsdp shards over its shard group of S ranks and replicates over the
 rest, ``(4 + 4 + 8)Ψ/S``; fsdp_tp splits the planned parameters Ψ_tp over T
 tp ranks and shards everything over D = N/T dp ranks, ``(4 + 4 + 8)(Ψ_tp/(D·T)
-+ Ψ_rep/D)`` (Ψ_rep: the parameters its plan leaves whole, here row-wise biases).
++ Ψ_rep/D)`` (Ψ_rep: the parameters its plan leaves whole, here row-wise biases);
+pipeline_fsdp holds one stage of 2 (rank 0: stage 0, Ψ_0 of the Ψ parameters)
+sharded over D = N/2 replicas, ``(4 + 4 + 8)Ψ_0/D``.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from benchmarks.workload import Workload, run_unison, steady_step_time
 
 SCALING = ("ddp", "fsdp")
 #: Composed strategies, timed where their 2x2 mesh exists (world 4), beside fsdp.
-COMPOSED_SCALING = ("hsdp", "fsdp_tp")
-MEMORY = ("ddp", "torch_zero", "zero1", "zero2", "zero3", "fsdp", "hsdp", "fsdp_tp")
+COMPOSED_SCALING = ("hsdp", "fsdp_tp", "pipeline_fsdp")
+MEMORY = ("ddp", "torch_zero", "zero1", "zero2", "zero3", "fsdp", "hsdp", "fsdp_tp", "pipeline_fsdp")
 
 #: (parameters, gradients, optimizer state) bytes per parameter, as functions of N, fp32 + Adam.
 ZERO_FORMULA = {
@@ -60,6 +63,7 @@ ZERO_FORMULA_TEXT = {
     "fsdp": "(4+4+8)Ψ/N",
     "hsdp": "(4+4+8)Ψ/S, S = shard_size = 2",
     "fsdp_tp": "(4+4+8)(Ψ_tp/(D·T) + Ψ_rep/D), T = tp_size = 2, D = N/T",
+    "pipeline_fsdp": "(4+4+8)Ψ_0/D, Ψ_0 = stage 0's parameters, D = N/2",
 }
 #: fsdp_tp: tp_size (the strategy's default), and the parameters its plan splits over tp.
 TP_SIZE = 2
@@ -89,6 +93,15 @@ def memory_formula(strategy: str, n: int, w: Workload) -> tuple[float, float, fl
         split = tp_split(w.model())
         effective = split / (dp * tp) + (psi - split) / dp
         return 4.0 * effective, 4.0 * effective, 8.0 * effective
+    if strategy == "pipeline_fsdp":
+        from unison.strategies.pipeline.layout import check_model
+
+        # Rank 0 holds stage 0 (of 2, cut by parameter count as the strategy cuts it), sharded over D replicas.
+        model = w.model()
+        first = check_model(model, 2, None)[0]
+        stage0 = sum(p.numel() for layer in list(model.children())[:first] for p in layer.parameters())
+        per_rank = stage0 / (n // 2)
+        return 4.0 * per_rank, 4.0 * per_rank, 8.0 * per_rank
     fp, fg, fo = ZERO_FORMULA[strategy]
     return fp(n) * psi, fg(n) * psi, fo(n) * psi
 

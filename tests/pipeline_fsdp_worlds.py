@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_worlds import _fit
+from fsdp_worlds import Footprint, _fit
 from helpers import mlp, regression_data, train
 from hsdp_worlds import CollectiveCounter
 
@@ -42,4 +42,10 @@ def pipeline_fsdp_world(ckpt_root: str) -> dict[str, Any]:
                  global_batch_size=32, max_steps=3, strategy_options={"schedule": schedule})  # fmt: skip
             counts[schedule][accumulate] = counter.per_step
     out["collectives"] = counts
+    # Memory: each stage's state is split over its 2 replicas, against pipeline's whole copies.
+    out["footprint"] = {}
+    for name in ("pipeline", "pipeline_fsdp"):
+        footprint = Footprint()
+        _fit(name, footprint, model=mlp(), data=regression_data(), global_batch_size=32, max_steps=1)
+        out["footprint"][name] = footprint.value
     return out

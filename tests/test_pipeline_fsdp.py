@@ -109,6 +109,20 @@ def test_reduce_scatter_once_per_step_per_unit(world, schedule, few):
     assert sum(rank["collectives"][schedule][4][0]["reduce_scatter"] for rank in ranks[:2]) == 3
 
 
+@pytest.mark.distributed
+def test_memory_footprint_is_the_stage_split_over_its_replicas(world):
+    _, ranks = world
+    for stage in (0, 1):
+        replicas = [ranks[stage], ranks[stage + 2]]  # rank = replica * 2 + stage
+        whole = replicas[0]["footprint"]["pipeline"]
+        for kind in ("parameters", "gradients", "optimizer_state"):
+            ours = [r["footprint"]["pipeline_fsdp"][kind] for r in replicas]
+            # The two replicas' shards make up the stage exactly; each holds about half (FSDP2 splits dim 0
+            # in chunks of ceil(rows / 2), so one may hold a row more); an unsharded stage would hold all.
+            assert sum(ours) == whole[kind], (stage, kind, ours, whole)
+            assert max(ours) <= 0.55 * whole[kind], (stage, kind, ours, whole)
+
+
 # --------------------------------------------------------------------------- #
 # Declarations and bad input (no process group)
 # --------------------------------------------------------------------------- #

@@ -422,17 +422,30 @@ class Strategy(abc.ABC):
         """Restore model and optimizer state from ``directory`` (collective)."""
 
     def memory_footprint(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters, gradients and optimizer state."""
+        """Bytes this rank holds for parameters, gradients and optimizer state.
+
+        A DTensor counts its local shard (``to_local()``), the bytes this rank
+        really holds; gradients count one per trainable parameter, the size of
+        what exists at the optimizer step. Transient tensors (FSDP's all-gathered
+        parameters, freed after forward or backward) are not counted.
+        """
         assert self.module is not None and self.optimizer is not None
-        params = sum(p.numel() * p.element_size() for p in self.module.parameters())
-        grads = sum(p.numel() * p.element_size() for p in self.module.parameters() if p.requires_grad)
-        optim = sum(
-            t.numel() * t.element_size()
-            for s in self.optimizer.state.values()
-            for t in s.values()
-            if isinstance(t, torch.Tensor) and t.dim() > 0
-        )
-        return {"parameters": params, "gradients": grads, "optimizer_state": optim}
+
+        def nbytes(t: torch.Tensor) -> int:
+            local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+            return local.numel() * local.element_size()
+
+        params = list(self.module.parameters())
+        return {
+            "parameters": sum(nbytes(p) for p in params),
+            "gradients": sum(nbytes(p) for p in params if p.requires_grad),
+            "optimizer_state": sum(
+                nbytes(t)
+                for s in self.optimizer.state.values()
+                for t in s.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0
+            ),
+        }
 
     def teardown(self) -> None:
         """Release what setup made; called once at the end of every ``fit``."""

@@ -105,19 +105,6 @@ def shard_units(model: torch.nn.Module, classes: list[str] | None) -> list[tuple
     return units
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # DTensor (and torch.distributed.checkpoint elsewhere) are imported where used: describing or
-    # listing strategies never loads them.
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    t = _local(t)
-    return t.numel() * t.element_size()
-
-
 def _float_outputs(data: Any) -> Any:
     """Low-precision floating outputs cast to fp32 (the loss then runs in fp32)."""
     if isinstance(data, torch.Tensor):
@@ -200,26 +187,6 @@ class ShardedStrategy(Strategy):
         out = self.model(inputs)
         # The policy computes in bf16; hand the loss fp32 outputs (see module docstring).
         return _float_outputs(out) if self._policy_precision else out
-
-    def memory_footprint(self) -> dict[str, int]:
-        """Bytes of this rank's *local shards* (the persistent state between steps).
-
-        Gradients count the sharded gradient of every trainable parameter (what
-        exists at the optimizer step); transient all-gathered parameters are
-        freed after forward/backward and are not counted.
-        """
-        assert self.module is not None and self.optimizer is not None
-        params = list(self.module.parameters())
-        return {
-            "parameters": sum(_nbytes(p) for p in params),
-            "gradients": sum(_nbytes(p) for p in params if p.requires_grad),
-            "optimizer_state": sum(
-                _nbytes(t)
-                for s in self.optimizer.state.values()
-                for t in s.values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0
-            ),
-        }
 
     def _checkpoint_root(self) -> torch.nn.Module:
         """The module the DCP state-dict API is called on (the FSDP root)."""
