@@ -11,7 +11,8 @@ step for every function either contender called.
 The *excess* of a function is unison's per-step self time in it minus the
 loop's. Rows name every function whose excess is above :data:`SHOW_ABOVE` of the
 loop's profiled step, with its owner: ``unison`` (this package's own code),
-``torch``, ``python`` (the standard library) or the file's package. A torch
+``torch`` (its Python code and its C functions), ``python`` (the standard library
+and other built-ins) or the file's package. A torch
 function with an excess is work unison asks of torch that the loop does not
 (a collective, a copy); the reason for each is in RESULTS.md's analysis.
 
@@ -57,6 +58,11 @@ def owner(filename: str) -> str:
     return "other"
 
 
+def builtin_owner(name: str) -> str:
+    """Who a C function belongs to, from cProfile's name for it (``<built-in method torch._C...>``)."""
+    return "torch" if "torch" in name else "python"
+
+
 def _self_times(fn: Callable[[], Any]) -> dict[tuple[str, int, str], float]:
     prof = cProfile.Profile()
     prof.enable()
@@ -100,7 +106,7 @@ def compare(strategy: str, w: Workload, steps: int = 40) -> dict[str, Any]:
     rows = []
     for key in set(unison) | set(hand):
         excess = unison.get(key, 0.0) - hand.get(key, 0.0)
-        who = "python" if key[0] == "~" else owner(key[0])
+        who = builtin_owner(key[2]) if key[0] == "~" else owner(key[0])
         by_owner[who] += excess
         if excess > SHOW_ABOVE * hand_step:
             rows.append(
