@@ -328,9 +328,10 @@ def section_data() -> tuple[list[Table], dict[str, Any]]:
     data = results["dataset"]
     speed = Table(
         "Sharded data: samples/s from local disk and from S3 on loopback",
-        ["order", "loader workers", "local samples/s", "S3 samples/s", "S3 / local", "S3 requests"],
+        ["order", "loader workers", "local samples/s", "S3 samples/s", "S3 / local", "S3 requests", "first batch s"],
         f"One pass of world 1 over {data['samples']} samples ({data['bytes'] / 1e6:.1f} MB of JSON lines in "
-        f"{data['shards']} shards) through the trainer's plan, sampler and DataLoader; read-ahead "
+        f"{data['shards']} shards) through the trainer's plan, sampler and DataLoader; samples/s from the first "
+        "batch on, the seconds to it (local / S3: worker start, their S3 clients) apart; read-ahead "
         f"{args.read_ahead >> 20} MiB per process. Target: S3 at least {DATA_TARGET} of local disk. Under the "
         "global permutation about every sample is a request of its own, and a request costs 1.2-2 ms of client "
         "CPU in s3fs (about 600 requests/s per process on this machine), while local disk serves a sample in "
@@ -346,6 +347,7 @@ def section_data() -> tuple[list[Table], dict[str, Any]]:
             f"{row['s3']:.0f}",
             f"{ratio:.2f}{mark}",
             row["requests"],
+            f"{row['local first batch s']:.2f} / {row['s3 first batch s']:.2f}",
         )
     amplification = Table(
         "Sharded data: read amplification",

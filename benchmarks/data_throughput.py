@@ -5,9 +5,11 @@ it starts on 127.0.0.1 (the tests' ``tests/s3_server.py``; ``weed`` comes with t
 measures:
 
 * **samples/s**: one pass of world 1 through the trainer's own pieces (its :class:`BatchPlan`, the
-  :class:`MicroBatchSampler`, a ``DataLoader`` with 0 and N workers, ``default_collate``), reading a
-  :class:`ShardedDataset` from local disk and from the server, under the trainer's global permutation
-  under the shard-order + window shuffle, and with runs of 16 samples kept together (``shuffle_chunk``);
+  :class:`MicroBatchSampler` given to :meth:`ShardedDataset.follow_plan`, a ``DataLoader`` with 0 and N
+  workers, ``default_collate``), reading a :class:`ShardedDataset` from local disk and from the server,
+  under the trainer's global permutation, under the shard-order + window shuffle, and with runs of
+  ``--chunk`` samples kept together (``shuffle_chunk``); samples/s in the steady state (from the first
+  batch on), the seconds to the first batch apart (worker processes starting, each with its S3 client);
 * **read amplification**: the bytes the server sent (its Prometheus counter
   ``SeaweedFS_s3_bucket_traffic_sent_bytes_total``) over one pass of every rank of world 1, 2 and 4,
   over the shards' bytes, for the sharded source and for today's iterable path (each rank runs the
@@ -81,8 +83,10 @@ def write_shards(directory: Path, samples: int, shards: int, dim: int) -> list[P
     return paths
 
 
-def one_pass(dataset: ShardedDataset, workers: int, world: int = 1, rank: int = 0) -> float:
-    """Samples/s of one pass of rank ``rank`` of ``world`` (the trainer's sampler and loader)."""
+def one_pass(dataset: ShardedDataset, workers: int, world: int = 1, rank: int = 0) -> tuple[float, float]:
+    """One pass of rank ``rank`` of ``world`` (the trainer's sampler and loader): samples/s in the steady
+    state (from the first batch on) and the seconds to the first batch (worker processes starting, each
+    with its own S3 client; once per pass, or once per fit with ``persistent_workers``)."""
     plan = BatchPlan(len(dataset), GLOBAL_BATCH, ACCUMULATE, world, rank, seed=0, order=dataset.epoch_order)
     sampler = MicroBatchSampler(plan, 0, plan.steps_per_epoch)
     dataset.follow_plan(sampler)  # as the trainer does: the dataset reads ahead along the plan
@@ -93,10 +97,13 @@ def one_pass(dataset: ShardedDataset, workers: int, world: int = 1, rank: int = 
         num_workers=workers,
         prefetch_factor=4 if workers else None,
     )
-    start, count = time.perf_counter(), 0
-    for x, _ in loader:
+    start = time.perf_counter()
+    batches = iter(loader)
+    next(batches)
+    first, count = time.perf_counter(), 0
+    for x, _ in batches:
         count += len(x)
-    return count / (time.perf_counter() - start)
+    return count / (time.perf_counter() - first), first - start
 
 
 def stream_pass(urls: list[str], world: int, rank: int, steps: int) -> None:
@@ -144,7 +151,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     dataset = ShardedDataset(
                         pattern, decode, shuffle_window=window, shuffle_chunk=chunk, read_ahead=args.read_ahead
                     )
-                    row[name] = one_pass(dataset, workers)
+                    row[name], row[f"{name} first batch s"] = one_pass(dataset, workers)
                     if name == "s3":
                         row["requests"] = dataset.stats.requests
                 throughput.append(row)
