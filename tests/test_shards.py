@@ -61,13 +61,13 @@ def test_every_format_gives_the_same_samples_in_order(tmp_path):
 def test_the_index_is_built_once_and_cached_by_version(tmp_path, index_cache):
     write_jsonl(tmp_path / "d", ROWS, 2)
     ShardedDataset(str(tmp_path / "d" / "*.jsonl"))
-    files = sorted(index_cache.iterdir())
+    files = sorted(index_cache.glob("*.json"))  # beside them, the lock files of the builds
     assert len(files) == 2
     entry = json.loads(files[0].read_text())
     assert entry["format"] == "jsonl" and entry["count"] == 48 and set(entry["version"]) == {"mtime", "size"}
     before = [f.stat().st_mtime_ns for f in files]
     ShardedDataset(str(tmp_path / "d" / "*.jsonl"))
-    assert [f.stat().st_mtime_ns for f in sorted(index_cache.iterdir())] == before  # loaded, not rebuilt
+    assert [f.stat().st_mtime_ns for f in sorted(index_cache.glob("*.json"))] == before  # loaded, not rebuilt
 
 
 def test_a_changed_shard_is_reindexed_or_refused_never_mixed(tmp_path):

@@ -15,7 +15,10 @@ Map-style datasets (``len`` and ``__getitem__``, Hugging Face ``datasets.Dataset
     batch of an epoch is dropped. A ``torch.utils.data.DataLoader`` on a batch
     sampler that yields exactly those index lists does the loading, so
     ``num_workers``, ``pin_memory``, ``prefetch_factor`` and
-    ``persistent_workers`` change the speed, never the samples.
+    ``persistent_workers`` change the speed, never the samples. A source with
+    ``follow_plan(batches)`` is handed that batch sampler before the loader
+    starts (and ``None`` when it stops), so it can read ahead along the plan
+    (:class:`unison.data.shards.ShardedDataset` does).
 
 Iterable datasets (``IterableDataset``, Hugging Face streaming datasets, any re-iterable)
     The stream is read in order and cut the same way: global batch ``k`` of a

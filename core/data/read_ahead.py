@@ -202,6 +202,14 @@ class ReadAhead:
         """The records of micro-batch ``indices`` held for it (some may be missing: read them) if it is
         one the plan says comes next, else ``None``."""
         wanted = [int(i) for i in indices]
+        if not self._upcoming:  # nothing read yet (or all taken): start only for the plan's next one
+            if not self._queued:
+                pulled = next(self._source, None)
+                if pulled is None:
+                    return None
+                self._queued.append([int(i) for i in pulled])
+            if self._queued[0] != wanted:
+                return None
         self._fill()
         position = next((k for k, batch in enumerate(self._upcoming) if batch == wanted), None)
         if position is None:

@@ -55,7 +55,9 @@ class MetricsLog:
             metrics.update({f"train/lr-group{i}": lr for i, lr in enumerate(output.lrs)})
         data = self._trainer.data
         retries = data.read_retries() if data is not None else None
-        if retries is not None:  # transient object-storage errors the data source retried, workers included
+        # Transient object-storage errors the data source retried, its loader workers included; this
+        # rank's own (reducing over ranks would cost a collective per logging step).
+        if retries is not None:
             metrics["data/retries"] = float(retries)
         metrics.update(self._pending)
         self._pending = {}
