@@ -162,6 +162,16 @@ class _Held:
         self.future, self.size, self.uses = future, size, uses
 
 
+class _Batch:
+    """A micro-batch of the plan: its indices and its range-read records."""
+
+    __slots__ = ("indices", "records", "size")
+
+    def __init__(self, indices: list[int], records: Sequence[Record]) -> None:
+        self.indices, self.records = indices, records
+        self.size = sum(r[3] - r[2] for r in records)
+
+
 class ReadAhead:
     """This process's next micro-batches by the plan, read in the background.
 
@@ -191,8 +201,8 @@ class ReadAhead:
         self._source = itertools.islice(iter(batches), worker, None, workers)
         self._budget, self._records, self._read = budget, records, read
         #: Micro-batches whose records are read or being read, in order; then those only looked at.
-        self._upcoming: collections.deque[list[int]] = collections.deque()
-        self._queued: collections.deque[list[int]] = collections.deque()
+        self._upcoming: collections.deque[_Batch] = collections.deque()
+        self._queued: collections.deque[_Batch] = collections.deque()
         self._held: dict[Hashable, _Held] = {}
         self._in_flight = 0
         # Two threads: the next read runs while the current one may still be waited on.
@@ -204,20 +214,19 @@ class ReadAhead:
         wanted = [int(i) for i in indices]
         if not self._upcoming:  # nothing read yet (or all taken): start only for the plan's next one
             if not self._queued:
-                pulled = next(self._source, None)
+                pulled = self._pull()
                 if pulled is None:
                     return None
-                self._queued.append([int(i) for i in pulled])
-            if self._queued[0] != wanted:
+                self._queued.append(pulled)
+            if self._queued[0].indices != wanted:
                 return None
         self._fill()
-        position = next((k for k, batch in enumerate(self._upcoming) if batch == wanted), None)
+        position = next((k for k, batch in enumerate(self._upcoming) if batch.indices == wanted), None)
         if position is None:
             return None
         got: dict[Hashable, bytes] = {}
         for skipped in range(position, -1, -1):  # micro-batches skipped over are dropped with this one
-            batch = self._upcoming.popleft()
-            for key, *_ in self._records(batch):
+            for key, *_ in self._upcoming.popleft().records:
                 held = self._held.get(key)
                 if held is None:
                     continue
@@ -230,11 +239,10 @@ class ReadAhead:
         self._fill()
         return got
 
-    def _next(self) -> list[int] | None:
-        if self._queued:
-            return self._queued.popleft()
+    def _pull(self) -> _Batch | None:
+        """The plan's next micro-batch of this process, with its records (looked up once)."""
         batch = next(self._source, None)
-        return None if batch is None else [int(i) for i in batch]
+        return None if batch is None else _Batch([int(i) for i in batch], self._records(batch))
 
     def _fill(self) -> None:
         """Start reads until ``budget / 2`` bytes are held or the plan is exhausted."""
@@ -244,11 +252,11 @@ class ReadAhead:
             uses: collections.Counter[Hashable] = collections.Counter()
             size, pulled = 0, 0
             while size < target:
-                batch = self._next()
+                batch = self._queued.popleft() if self._queued else self._pull()
                 if batch is None:
                     break
                 self._upcoming.append(batch)
-                for record in self._records(batch):
+                for record in batch.records:
                     pulled += 1
                     if record[0] in self._held:  # read before (along with another read): one more use
                         self._held[record[0]].uses += 1
@@ -263,7 +271,7 @@ class ReadAhead:
                 return  # the plan is exhausted, or its micro-batches hold no range-read records
             optional: dict[Hashable, Record] = {}
             for batch in self._lookahead(target):
-                for record in self._records(batch):
+                for record in batch.records:
                     if record[0] not in required and record[0] not in self._held:
                         optional[record[0]] = record
             spans = coalesce(required.values(), optional.values())
@@ -273,20 +281,19 @@ class ReadAhead:
                     self._held[key] = _Held(future, end - start, uses[key])
                     self._in_flight += end - start
 
-    def _lookahead(self, target: int) -> list[list[int]]:
+    def _lookahead(self, target: int) -> list[_Batch]:
         """The micro-batches after those read, up to ``target`` bytes of records (pulled into the queue)."""
         seen, size = [], 0
         for batch in self._queued:
             seen.append(batch)
-            size += sum(r[3] - r[2] for r in self._records(batch))
+            size += batch.size
             if size >= target:
                 return seen
         while size < target:
-            pulled = next(self._source, None)
+            pulled = self._pull()
             if pulled is None:
                 break
-            batch = [int(i) for i in pulled]
-            self._queued.append(batch)
-            seen.append(batch)
-            size += sum(r[3] - r[2] for r in self._records(batch))
+            self._queued.append(pulled)
+            seen.append(pulled)
+            size += pulled.size
         return seen
