@@ -8,14 +8,11 @@ Why map-style: the trainer's plan (:mod:`unison.data.plan`) already decides whic
 step *k* and which data-parallel rank takes which, by seed and epoch and never by rank. Being map-style,
 this source is handed exactly the samples of this rank, so it reads only their bytes:
 
-* The ``DataLoader`` calls :meth:`ShardedDataset.__getitems__` with one micro-batch slice. The records'
-  byte ranges go out in one ``cat_ranges`` call (concurrent in an async file system such as s3fs), neighbours
-  merged into one request while the bytes between them stay under 10 % of the bytes used
-  (:func:`~unison.data.read_ahead.coalesce`). Given the plan (:meth:`ShardedDataset.follow_plan`, which the
-  trainer calls), each process reads its next micro-batches ahead in the background, in groups large
-  enough for their ranges to merge (:class:`~unison.data.read_ahead.ReadAhead`). JSON-lines and tar shards
-  are thus read at about the bytes of the samples taken: at any world size, the ranks together read each
-  sample once per pass (at most 1.1x).
+* The ``DataLoader`` calls :meth:`ShardedDataset.__getitems__` with one micro-batch slice; its records'
+  byte ranges go out in one ``cat_ranges`` call (concurrent in s3fs), coalesced and read ahead along the
+  trainer's plan (:mod:`unison.data.read_ahead`, :meth:`ShardedDataset.follow_plan`). JSON-lines and tar
+  shards are thus read at about the bytes of the samples taken: at any world size, the ranks together
+  read each sample once per pass (at most 1.1x).
 * Parquet is read by row group, the smallest unit it has; the last :attr:`cache_blocks` row groups
   read by this process are kept. A row group holding samples of several ranks is read by each.
 * Compressed JSON lines have no random access: a shard is read and decompressed whole when first
@@ -281,12 +278,9 @@ class ShardedDataset(Dataset):
         return [self._decode(indices[out], rec) for out, rec in enumerate(records)]
 
     def follow_plan(self, batches: Iterable[Sequence[int]] | None) -> None:
-        """Read ahead along ``batches``: every micro-batch's indices a ``DataLoader`` will ask for, in order
-        (the trainer passes its sampler before building the loader); ``None`` stops following.
-
-        Each process (the loader's workers, or this one without workers) then reads its next micro-batches
-        in the background, up to ``read_ahead`` bytes (:class:`~unison.data.read_ahead.ReadAhead`).
-        """
+        """Read ahead along ``batches``, every micro-batch a ``DataLoader`` will ask for, in order (the
+        trainer passes its sampler); ``None`` stops. Each loader process then reads its next micro-batches
+        in the background, up to ``read_ahead`` bytes (:class:`~unison.data.read_ahead.ReadAhead`)."""
         self._plan, self._ahead = batches, None
 
     def _read_ahead(self) -> ReadAhead | None:
