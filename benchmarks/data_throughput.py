@@ -5,9 +5,11 @@ it starts on 127.0.0.1 (the tests' ``tests/s3_server.py``; ``weed`` comes with t
 measures:
 
 * **samples/s**: one pass of world 1 through the trainer's own pieces (its :class:`BatchPlan`, the
-  :class:`MicroBatchSampler`, a ``DataLoader`` with 0 and N workers, ``default_collate``), reading a
-  :class:`ShardedDataset` from local disk and from the server, under the trainer's global permutation
-  under the shard-order + window shuffle, and with runs of 16 samples kept together (``shuffle_chunk``);
+  :class:`MicroBatchSampler` given to :meth:`ShardedDataset.follow_plan`, a ``DataLoader`` with 0 and N
+  workers, ``default_collate``), reading a :class:`ShardedDataset` from local disk and from the server,
+  under the trainer's global permutation, under the shard-order + window shuffle, and with runs of
+  ``--chunk`` samples kept together (``shuffle_chunk``); samples/s in the steady state (from the first
+  batch on), the seconds to the first batch apart (worker processes starting, each with its S3 client);
 * **read amplification**: the bytes the server sent (its Prometheus counter
   ``SeaweedFS_s3_bucket_traffic_sent_bytes_total``) over one pass of every rank of world 1, 2 and 4,
   over the shards' bytes, for the sharded source and for today's iterable path (each rank runs the
@@ -43,9 +45,9 @@ from unison.data.streams import MicroBatchSampler, StreamMicroBatches  # noqa: E
 GLOBAL_BATCH, ACCUMULATE = 64, 2
 
 
-def shuffles(window: int) -> list[tuple[str, int | None, int]]:
+def shuffles(window: int, chunk: int) -> list[tuple[str, int | None, int]]:
     """``(name, shuffle_window, shuffle_chunk)`` of each order measured."""
-    return [("global", None, 1), ("window", window, 1), ("window+chunk16", window, 16)]
+    return [("global", None, 1), (f"window {window}", window, 1), (f"window {window}, chunk {chunk}", window, chunk)]
 
 
 def decode(sample: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,20 +83,27 @@ def write_shards(directory: Path, samples: int, shards: int, dim: int) -> list[P
     return paths
 
 
-def one_pass(dataset: ShardedDataset, workers: int, world: int = 1, rank: int = 0) -> float:
-    """Samples/s of one pass of rank ``rank`` of ``world`` (the trainer's sampler and loader)."""
+def one_pass(dataset: ShardedDataset, workers: int, world: int = 1, rank: int = 0) -> tuple[float, float]:
+    """One pass of rank ``rank`` of ``world`` (the trainer's sampler and loader): samples/s in the steady
+    state (from the first batch on) and the seconds to the first batch (worker processes starting, each
+    with its own S3 client; once per pass, or once per fit with ``persistent_workers``)."""
     plan = BatchPlan(len(dataset), GLOBAL_BATCH, ACCUMULATE, world, rank, seed=0, order=dataset.epoch_order)
+    sampler = MicroBatchSampler(plan, 0, plan.steps_per_epoch)
+    dataset.follow_plan(sampler)  # as the trainer does: the dataset reads ahead along the plan
     loader = DataLoader(
         dataset,
-        batch_sampler=MicroBatchSampler(plan, 0, plan.steps_per_epoch),
+        batch_sampler=sampler,
         collate_fn=default_collate,
         num_workers=workers,
         prefetch_factor=4 if workers else None,
     )
-    start, count = time.perf_counter(), 0
-    for x, _ in loader:
+    start = time.perf_counter()
+    batches = iter(loader)
+    next(batches)
+    first, count = time.perf_counter(), 0
+    for x, _ in batches:
         count += len(x)
-    return count / (time.perf_counter() - start)
+    return count / (time.perf_counter() - first), first - start
 
 
 def stream_pass(urls: list[str], world: int, rank: int, steps: int) -> None:
@@ -104,18 +113,25 @@ def stream_pass(urls: list[str], world: int, rank: int, steps: int) -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=16384)
     parser.add_argument("--shards", type=int, default=8)
     parser.add_argument("--dim", type=int, default=64, help="floats per sample (about 9 bytes each as JSON)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--window", type=int, default=1024, help="shuffle_window of the windowed runs")
+    parser.add_argument("--chunk", type=int, default=32, help="shuffle_chunk of the chunked runs")
+    parser.add_argument("--read-ahead", type=int, default=2 << 20, help="bytes each process reads ahead")
     parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Start the server, write and upload the shards, measure; the results as plain data."""
     work = Path(tempfile.mkdtemp(prefix="unison-data-bench-"))
     os.environ["UNISON_DATA_CACHE"] = str(work / "index")
     server = s3_server.start()
+    saved = {k: os.environ.get(k) for k in server.env()}
     os.environ.update(server.env())
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     try:
@@ -127,39 +143,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         size = sum(p.stat().st_size for p in paths)
         results["dataset"] = {"samples": args.samples, "bytes": size, "shards": args.shards}
         where = {"local": str(work / "part-*.jsonl"), "s3": f"s3://{s3_server.BUCKET}/bench/part-*.jsonl"}
-        throughput: dict[str, float] = {}
-        for shuffle, window, chunk in shuffles(args.window):
+        throughput: list[dict[str, Any]] = []
+        for shuffle, window, chunk in shuffles(args.window, args.chunk):
             for workers in (0, args.workers):
+                row: dict[str, Any] = {"shuffle": shuffle, "workers": workers}
                 for name, pattern in where.items():
-                    dataset = ShardedDataset(pattern, decode, shuffle_window=window, shuffle_chunk=chunk)
-                    throughput[f"{name} {shuffle} w{workers}"] = one_pass(dataset, workers)
+                    dataset = ShardedDataset(
+                        pattern, decode, shuffle_window=window, shuffle_chunk=chunk, read_ahead=args.read_ahead
+                    )
+                    row[name], row[f"{name} first batch s"] = one_pass(dataset, workers)
+                    if name == "s3":
+                        row["requests"] = dataset.stats.requests
+                throughput.append(row)
         results["samples_per_s"] = throughput
-        amplification: dict[str, float] = {}
+        amplification: list[dict[str, Any]] = []
         ShardedDataset(where["s3"])  # the index, before counting
         steps = args.samples // GLOBAL_BATCH
         for world in (1, 2, 4):
             before = server.sent_bytes()
             for rank in range(world):
-                one_pass(ShardedDataset(where["s3"], decode), 0, world, rank)
-            amplification[f"sharded world {world}"] = (server.sent_bytes() - before) / size
+                one_pass(ShardedDataset(where["s3"], decode, read_ahead=args.read_ahead), 0, world, rank)
+            sharded = (server.sent_bytes() - before) / size
             before = server.sent_bytes()
             for rank in range(world):
                 stream_pass(urls, world, rank, steps)
-            amplification[f"iterable world {world}"] = (server.sent_bytes() - before) / size
+            iterable = (server.sent_bytes() - before) / size
+            amplification.append({"world": world, "sharded": sharded, "iterable": iterable})
         results["read_amplification"] = amplification
     finally:
         server.stop()
-    print(f"dataset: {args.samples} samples, {size / 1e6:.1f} MB in {args.shards} JSON-lines shards")
-    print("samples/s (world 1, one pass):")
-    for key, value in results["samples_per_s"].items():
-        print(f"  {key:24s} {value:10.0f}")
-    for shuffle, _, _ in shuffles(args.window):
-        for workers in (0, args.workers):
-            ratio = throughput[f"s3 {shuffle} w{workers}"] / throughput[f"local {shuffle} w{workers}"]
-            print(f"  s3 / local, {shuffle} shuffle, {workers} workers: {ratio:.2f}")
-    print("read amplification (server bytes sent / dataset bytes, one pass, all ranks):")
-    for key, value in results["read_amplification"].items():
-        print(f"  {key:24s} {value:6.3f}")
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    results = measure(args)
+    data = results["dataset"]
+    print(f"dataset: {data['samples']} samples, {data['bytes'] / 1e6:.1f} MB in {data['shards']} JSON-lines shards")
+    print("samples/s (world 1, one pass): shuffle, workers, local, s3, s3 / local, s3 requests")
+    for row in results["samples_per_s"]:
+        ratio = row["s3"] / row["local"]
+        print(
+            f"  {row['shuffle']:16s} {row['workers']:2d} {row['local']:9.0f} {row['s3']:9.0f} {ratio:6.2f}"
+            f" {row['requests']:7d}"
+        )
+    print("read amplification (server bytes sent / dataset bytes, one pass, all ranks): world, sharded, iterable")
+    for row in results["read_amplification"]:
+        print(f"  {row['world']} {row['sharded']:6.3f} {row['iterable']:6.3f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return results

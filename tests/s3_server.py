@@ -46,6 +46,7 @@ class S3Server:
     process: subprocess.Popen
     workdir: Path
     metrics_url: str = ""
+    argv: tuple[str, ...] = ()
 
     def env(self, key: str = KEY, secret: str = SECRET) -> dict[str, str]:
         """The standard AWS variables that point a client at this server."""
@@ -81,6 +82,26 @@ class S3Server:
         """Keys of the test bucket under ``prefix``, relative to it."""
         base = f"{BUCKET}/{prefix}"
         return sorted(k[len(base) + 1 :] for k in self.fs().find(base))
+
+    def down(self) -> None:
+        """Kill the server at once (an outage); :meth:`up` starts it again with its data and ports."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def up(self, timeout: float = 60.0) -> None:
+        """Start the server again after :meth:`down`; return once S3 answers."""
+        log = open(self.workdir / "weed.log", "ab")  # noqa: SIM115  (the server writes it until stopped)
+        self.process = subprocess.Popen(
+            self.argv, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.fs().ls(BUCKET)
+                return
+            except Exception:  # not up yet
+                time.sleep(0.3)
+        raise RuntimeError("SeaweedFS did not come back")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -149,7 +170,11 @@ def start(timeout: float = 90.0) -> S3Server:
     log = open(workdir / "weed.log", "wb")  # noqa: SIM115  (the server writes it until stopped)
     process = subprocess.Popen(argv, cwd=workdir, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     server = S3Server(
-        f"http://127.0.0.1:{ports['s3.port']}", process, workdir, f"http://127.0.0.1:{metrics_port}/metrics"
+        f"http://127.0.0.1:{ports['s3.port']}",
+        process,
+        workdir,
+        f"http://127.0.0.1:{metrics_port}/metrics",
+        tuple(str(a) for a in argv),
     )
     deadline = time.monotonic() + timeout
     last: BaseException | None = None

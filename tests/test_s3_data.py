@@ -4,22 +4,27 @@ The same JSON-lines shards on local disk and in ``s3://``: training from the buc
 fsdp, with 0 and 2 loader workers, ends at the weights of one process reading local disk; save -> resume
 equals the uninterrupted run. Read amplification is the server's own counter of bytes sent over one pass,
 against the dataset's bytes, for the sharded source and for today's iterable path. A changed object
-(new ETag) is detected, a corrupt record is named, transient failures are retried and counted.
+(new ETag) is detected, a corrupt record is named, transient failures are retried and counted (in the
+loader workers too, summed into the trainer's ``data/retries`` metric across a server restart), and
+processes that start together build a missing index once.
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
+import threading
 
 import pytest
 import s3_server
 import torch
 from shard_files import decode, samples, write_jsonl
 
+import unison
 from unison.data.shards import ShardedDataset, ShardError
 from unison.launch.torchrun import spawn
 
-from helpers import max_abs_diff
+from helpers import max_abs_diff, mlp
 from shards_worlds import RESUME_AT, STEPS, fit, one_pass, runs
 
 pytestmark = pytest.mark.usefixtures("aws_env", "index_cache")
@@ -170,3 +175,80 @@ def test_transient_failures_are_retried_with_bounded_backoff_and_counted(s3, buc
     # Every try after the first is a counted retry.
     tries = int(str(caught.value).split("failed to read after ")[1].split()[0])
     assert tries >= 2 and dataset.stats.retries == tries - 1, (tries, dataset.stats)
+
+
+class _Outage:
+    """Kills the server before step ``step``'s optimizer step and starts it again ``seconds`` later;
+    records every logged metric."""
+
+    def __init__(self, server, step: int, seconds: float) -> None:
+        self.server, self.step, self.seconds, self.metrics = server, step, seconds, []
+
+    @unison.hookimpl
+    def unison_on_before_optimizer_step(self, trainer, step, grad_norm) -> None:
+        if step == self.step:
+            self.server.down()
+            threading.Timer(self.seconds, self.server.up).start()
+
+    @unison.hookimpl
+    def unison_log_metrics(self, metrics) -> None:
+        self.metrics.append(metrics)
+
+
+@pytest.mark.timeout(300)
+def test_retries_in_loader_workers_are_summed_into_the_trainers_data_retries_metric(bucket, shard_dir, monkeypatch):
+    server = s3_server.start()  # its own server: this test stops it
+    try:
+        for name, value in server.env().items():
+            monkeypatch.setenv(name, value)
+        for path in sorted((shard_dir / "train").glob("*.jsonl")):
+            server.fs().put_file(str(path), f"{s3_server.BUCKET}/outage/{path.name}")
+        # No read-ahead: the workers read each micro-batch when asked, so reads fall into the outage.
+        dataset = ShardedDataset(f"s3://{s3_server.BUCKET}/outage/*.jsonl", decode, read_ahead=0)
+        outage = _Outage(server, step=1, seconds=3.0)
+        trainer = unison.Trainer(
+            strategy="single",
+            global_batch_size=8,
+            max_steps=12,  # one pass of the 96 samples: nothing is read after the last step's batch
+            num_workers=2,
+            seed=3,
+            callbacks=[outage],
+            progress="off",
+            throughput=False,
+        )
+        trainer.fit(mlp(), dataset, loss_fn=torch.nn.functional.mse_loss, optimizer=torch.optim.AdamW)
+    finally:
+        server.stop()
+    counted = [m["data/retries"] for m in outage.metrics if "data/retries" in m]
+    assert len(counted) == 12 and counted == sorted(counted), counted
+    # The loader workers retried (the main process read only the trainer's first-batch check, before
+    # the outage), and their retries reached the main process's counts and the logged metric.
+    workers = int(dataset.stats._counts[1:, 2].sum())
+    assert workers > 0 and counted[-1] == dataset.stats.retries == workers, (counted, dataset.stats)
+
+
+def _build_index(pattern: str, start) -> None:
+    start.wait()
+    ShardedDataset(pattern)
+
+
+@pytest.mark.timeout(300)
+def test_processes_that_find_no_index_build_it_once(s3, tmp_path, monkeypatch):
+    # Shards large enough (about 5 MB) that indexing takes longer than the processes take to start.
+    fs = s3.fs()
+    for path in write_jsonl(tmp_path / "big", samples(30000), 3):
+        fs.put_file(str(path), f"{s3_server.BUCKET}/{PREFIX}/big/{path.name}")
+    size = sum(info["size"] for info in fs.ls(f"{s3_server.BUCKET}/{PREFIX}/big", detail=True))
+    monkeypatch.setenv("UNISON_DATA_CACHE", str(tmp_path / "empty-cache"))
+    context = multiprocessing.get_context("fork")  # as the ranks of one node, started together
+    start = context.Barrier(4)
+    before = s3.sent_bytes()
+    pattern = f"s3://{s3_server.BUCKET}/{PREFIX}/big/*.jsonl"
+    processes = [context.Process(target=_build_index, args=(pattern, start)) for _ in range(4)]
+    for p in processes:
+        p.start()
+    for p in processes:
+        p.join(120)
+    assert [p.exitcode for p in processes] == [0, 0, 0, 0]
+    # One process read the shards to index them; the three others waited and loaded its index.
+    assert (s3.sent_bytes() - before) / size < 1.5, (s3.sent_bytes() - before) / size

@@ -264,7 +264,12 @@ def _data_factory(data: DataConfig, base: Path, trust: Trust) -> Callable[[], An
 
         def open_shards(urls: str | list[str], **shuffle: Any) -> ShardedDataset:
             return ShardedDataset(
-                urls, decode, storage_options=data.storage_options, index_dir=data.index_dir, **shuffle
+                urls,
+                decode,
+                storage_options=data.storage_options,
+                index_dir=data.index_dir,
+                read_ahead=data.read_ahead,
+                **shuffle,
             )
 
         assert data.train is not None

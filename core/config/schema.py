@@ -48,6 +48,9 @@ class DataConfig(_Strict):
     many samples (see docs/data.md)."""
     shuffle_chunk: int = pydantic.Field(1, ge=1)
     """With ``shuffle_window``: runs of this many consecutive samples stay together (fewer range reads)."""
+    read_ahead: int = pydantic.Field(32 << 20, ge=0)
+    """Bytes of JSON-lines and tar records each loader process reads ahead along the trainer's plan
+    (0: each micro-batch is read when the loader asks for it)."""
     index_dir: str | None = None
     """Where shard indexes are cached (a directory or fsspec URL); default ``$UNISON_DATA_CACHE`` or
     ``~/.cache/unison/shard-index``."""

@@ -15,7 +15,10 @@ Map-style datasets (``len`` and ``__getitem__``, Hugging Face ``datasets.Dataset
     batch of an epoch is dropped. A ``torch.utils.data.DataLoader`` on a batch
     sampler that yields exactly those index lists does the loading, so
     ``num_workers``, ``pin_memory``, ``prefetch_factor`` and
-    ``persistent_workers`` change the speed, never the samples.
+    ``persistent_workers`` change the speed, never the samples. A source with
+    ``follow_plan(batches)`` is handed that batch sampler before the loader
+    starts (and ``None`` when it stops), so it can read ahead along the plan
+    (:class:`unison.data.shards.ShardedDataset` does).
 
 Iterable datasets (``IterableDataset``, Hugging Face streaming datasets, any re-iterable)
     The stream is read in order and cut the same way: global batch ``k`` of a
@@ -61,6 +64,7 @@ from unison.data.plan import (
     check_divisible,
     local_slices,
 )
+from unison.data.read_ahead import ReadStats
 from unison.data.sources import CollateFn, is_map_style, resolve_source
 from unison.data.streams import MicroBatchSampler, StreamMicroBatches, stream_global_batches
 from unison.errors import ConfigurationError
@@ -174,9 +178,13 @@ class TrainData:
         kwargs = self.options.kwargs()
         if self.plan is not None:
             assert end_step is not None
+            sampler = MicroBatchSampler(self.plan, start_step, end_step)
+            follow = getattr(self.dataset, "follow_plan", None)
+            if follow is not None:  # a source that reads ahead (ShardedDataset) learns what comes next
+                follow(sampler)
             return DataLoader(
                 self.dataset,
-                batch_sampler=MicroBatchSampler(self.plan, start_step, end_step),
+                batch_sampler=sampler,
                 collate_fn=self.collate_fn,
                 generator=generator,
                 **kwargs,
@@ -255,6 +263,15 @@ class TrainData:
         iterator, self._iterator = self._iterator, None
         if iterator is not None:
             shutdown_loader_workers(iterator)
+        follow = getattr(self.dataset, "follow_plan", None)
+        if follow is not None:
+            follow(None)  # what was read ahead for a loader that is gone is dropped
+
+    def read_retries(self) -> int | None:
+        """Transient read errors retried so far by a source that counts them (a sharded dataset: this
+        process and its loader workers, summed); ``None`` for other sources."""
+        stats = getattr(self.dataset, "stats", None)
+        return stats.retries if isinstance(stats, ReadStats) else None
 
     # -- position ------------------------------------------------------------------- #
     def state_dict(self, step: int) -> dict[str, Any]:

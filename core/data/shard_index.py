@@ -23,6 +23,7 @@ never mixed. The cache file's name is a hash of the shard's URL; its content nam
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
@@ -30,6 +31,7 @@ import json
 import os
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -212,6 +214,25 @@ class IndexCache:
         except (FileNotFoundError, ValueError, TypeError, KeyError):
             return None
         return index if index.url == url else None
+
+    @contextlib.contextmanager
+    def building(self, url: str) -> Iterator[None]:
+        """Held while this process builds ``url``'s index: on a local (or NFS) cache directory an exclusive
+        ``flock`` on a lock file beside the index, so the processes of one job that find no index (every
+        rank, every loader) build it once; the others wait, then load it. An object-storage cache has no
+        lock: each process that finds no index builds it (the same index; the last write wins)."""
+        if not self.local:
+            yield
+            return
+        import fcntl
+
+        os.makedirs(self.root, exist_ok=True)
+        with open(self._path(url) + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def store(self, index: ShardIndex) -> None:
         """Write atomically: a local file is renamed into place; an object PUT is atomic itself."""

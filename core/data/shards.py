@@ -8,12 +8,11 @@ Why map-style: the trainer's plan (:mod:`unison.data.plan`) already decides whic
 step *k* and which data-parallel rank takes which, by seed and epoch and never by rank. Being map-style,
 this source is handed exactly the samples of this rank, so it reads only their bytes:
 
-* The ``DataLoader`` calls :meth:`ShardedDataset.__getitems__` with one micro-batch slice. Its samples
-  are grouped by shard, records that follow one another in a shard are merged into one range (what
-  lies between them is a separator: a newline, tar padding), and all ranges go out in one
-  ``cat_ranges`` call, which an async file system (s3fs) runs concurrently. JSON-lines and tar shards
-  are thus read at about the bytes of the samples taken: at any world size, the ranks together read
-  each sample once per pass.
+* The ``DataLoader`` calls :meth:`ShardedDataset.__getitems__` with one micro-batch slice; its records'
+  byte ranges go out in one ``cat_ranges`` call (concurrent in s3fs), coalesced and read ahead along the
+  trainer's plan (:mod:`unison.data.read_ahead`, :meth:`ShardedDataset.follow_plan`). JSON-lines and tar
+  shards are thus read at about the bytes of the samples taken: at any world size, the ranks together
+  read each sample once per pass (at most 1.1x).
 * Parquet is read by row group, the smallest unit it has; the last :attr:`cache_blocks` row groups
   read by this process are kept. A row group holding samples of several ranks is read by each.
 * Compressed JSON lines have no random access: a shard is read and decompressed whole when first
@@ -33,7 +32,8 @@ naming the shard URL, the position in the shard and the global sample index. A s
 changed since its index was built is re-indexed (``on_change="reindex"``, with a warning) or refused
 (``on_change="error"``) when the dataset is built, and refused when a process first reads it: samples
 of two versions are never mixed. Transient object-storage errors are retried with the checkpoints'
-bounded backoff (``UNISON_STORAGE_RETRY_S``) and counted in :attr:`ReadStats.retries`.
+bounded backoff (``UNISON_STORAGE_RETRY_S``) and counted in :attr:`ReadStats.retries` (summed over the
+loader's workers; the trainer logs it as ``data/retries``).
 """
 
 from __future__ import annotations
@@ -44,14 +44,14 @@ import functools
 import json
 import os
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
 from unison.data.plan import window_order
+from unison.data.read_ahead import ReadAhead, ReadStats, coalesce
 from unison.data.shard_index import (
     IndexCache,
     ShardError,
@@ -69,17 +69,8 @@ __all__ = ["ReadStats", "ShardError", "ShardedDataset"]
 _INHERITED: list[Any] = []
 
 
-@dataclass
-class ReadStats:
-    """What this process read from the shards (each loader worker counts its own).
-
-    ``bytes`` counts range reads and whole compressed shards; Parquet row groups are read by pyarrow
-    and only counted in ``requests``.
-    """
-
-    bytes: int = 0
-    requests: int = 0
-    retries: int = 0
+#: Formats read by record byte range (the others by block: Parquet row groups, compressed shards).
+_RANGED = ("jsonl", "tar")
 
 
 def _is_glob(path: str) -> bool:
@@ -107,6 +98,8 @@ class ShardedDataset(Dataset):
             together and the runs are permuted within each window: a rank's slice is then read in
             about ``slice / shuffle_chunk`` ranges instead of one per sample.
         cache_blocks: Parquet row groups or decompressed shards kept per process.
+        read_ahead: bytes of JSON-lines and tar records each process reads ahead of the loader once the
+            trainer has given the plan (:meth:`follow_plan`); 0 reads each micro-batch when asked.
     """
 
     def __init__(
@@ -120,6 +113,7 @@ class ShardedDataset(Dataset):
         shuffle_window: int | None = None,
         shuffle_chunk: int = 1,
         cache_blocks: int = 4,
+        read_ahead: int = 32 << 20,
     ) -> None:
         if on_change not in ("reindex", "error"):
             raise ValueError(f"on_change must be 'reindex' or 'error', not {on_change!r}")
@@ -133,7 +127,10 @@ class ShardedDataset(Dataset):
         self.decode = decode
         self.storage_options = dict(storage_options or {})
         self.on_change, self.shuffle_window, self.shuffle_chunk = on_change, shuffle_window, shuffle_chunk
-        self.cache_blocks = cache_blocks
+        self.cache_blocks, self.read_ahead = cache_blocks, read_ahead
+        self._plan: Iterable[Sequence[int]] | None = None
+        self._ahead: ReadAhead | None = None
+        self._ahead_pid: int | None = None
         self.stats = ReadStats()
         self._fs_pid: int | None = None
         self._fs: Any = None
@@ -176,7 +173,7 @@ class ShardedDataset(Dataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_fs=None, _fs_pid=None, _blocks=collections.OrderedDict())
+        state.update(_fs=None, _fs_pid=None, _blocks=collections.OrderedDict(), _ahead=None, _ahead_pid=None)
         return state
 
     def _local(self, fs: Any) -> bool:
@@ -195,10 +192,7 @@ class ShardedDataset(Dataset):
                 f"(UNISON_STORAGE_RETRY_S={budget:g}); last error: {type(exc).__name__}: {first_line(exc)}"
             )
 
-        def count() -> None:
-            self.stats.retries += 1
-
-        return call_retrying(call, count, give_up)
+        return call_retrying(call, lambda: self.stats.add(retries=1), give_up)
 
     # -- listing and indexing --------------------------------------------------- #
     def _list(self, fs: Any) -> list[tuple[str, dict[str, Any]]]:
@@ -226,16 +220,19 @@ class ShardedDataset(Dataset):
         cached = cache.load(url)
         if cached is not None and cached.version == version:
             return path, cached
-        if cached is not None:
-            if self.on_change == "error":
-                raise ShardError(
-                    f"{url} changed since its index was built (was {cached.version}, now {version}); "
-                    "its samples would differ from the ones indexed",
-                )
-            warnings.warn(f"{url} changed since its index was built: indexing it again", stacklevel=3)
-        fmt = shard_format(path)
-        index = self._retrying("index", url, lambda: build_index(fs, path, url, fmt, version))
-        cache.store(index)
+        with cache.building(url):  # one process of a job builds it; the others wait, then load it
+            cached = cache.load(url)
+            if cached is not None and cached.version == version:
+                return path, cached
+            if cached is not None:
+                if self.on_change == "error":
+                    raise ShardError(
+                        f"{url} changed since its index was built (was {cached.version}, now {version}); "
+                        "its samples would differ from the ones indexed",
+                    )
+                warnings.warn(f"{url} changed since its index was built: indexing it again", stacklevel=3)
+            index = self._retrying("index", url, lambda: build_index(fs, path, url, shard_format(path), version))
+            cache.store(index)
         return path, index
 
     # -- sizes and order ----------------------------------------------------------- #
@@ -265,24 +262,44 @@ class ShardedDataset(Dataset):
         return self.__getitems__([i])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        """The samples at ``indices``, reading each shard's byte ranges once, concurrently."""
-        by_shard: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
-        for out, i in enumerate(indices):
-            shard, pos = self.locate(int(i) + len(self) if int(i) < 0 else int(i))
-            by_shard[shard].append((out, pos))
-        records: list[Any] = [None] * len(indices)
-        ranged: list[tuple[int, list[tuple[int, int]]]] = []
-        for shard, wanted in by_shard.items():
-            self._check_version(shard)
-            fmt = self.shards[shard][1].format
-            if fmt in ("jsonl", "tar"):
-                ranged.append((shard, wanted))
-            else:
-                for out, pos in wanted:
-                    records[out] = self._from_block(shard, pos)
+        """The samples at ``indices``: range-read records from the read-ahead when it holds them, the rest
+        in one coalesced, concurrent ``cat_ranges`` call; Parquet and compressed records by block."""
+        indices = [int(i) + len(self) if int(i) < 0 else int(i) for i in indices]
+        ranged = self._range_records(indices)
+        got: dict[Any, bytes] = {}
         if ranged:
-            self._read_ranges(ranged, records)
+            ahead = self._read_ahead()
+            got = (ahead.take(indices) if ahead is not None else None) or {}
+            missing = [record for record in ranged if record[0] not in got]
+            if missing:
+                got.update(self._read_spans(coalesce(missing)))
+        where = [self.locate(i) for i in indices]
+        records = [(key[0], key[1], got[key]) if key in got else self._from_block(*key) for key in where]
         return [self._decode(indices[out], rec) for out, rec in enumerate(records)]
+
+    def follow_plan(self, batches: Iterable[Sequence[int]] | None) -> None:
+        """Read ahead along ``batches``, every micro-batch a ``DataLoader`` will ask for, in order (the
+        trainer passes its sampler); ``None`` stops. Each loader process then reads its next micro-batches
+        in the background, up to ``read_ahead`` bytes (:class:`~unison.data.read_ahead.ReadAhead`)."""
+        self._plan, self._ahead = batches, None
+
+    def _read_ahead(self) -> ReadAhead | None:
+        if self._plan is None or not self.read_ahead:
+            return None
+        if self._ahead is None or self._ahead_pid != os.getpid():
+            self._ahead = ReadAhead(self._plan, self.read_ahead, self._range_records, self._read_spans)
+            self._ahead_pid = os.getpid()
+        return self._ahead
+
+    def _range_records(self, indices: Sequence[int]) -> list[tuple[tuple[int, int], int, int, int]]:
+        """``((shard, position), shard, start, end)`` of the range-read records among ``indices``."""
+        out = []
+        for i in indices:
+            shard, pos = self.locate(int(i))
+            index = self.shards[shard][1]
+            if index.format in _RANGED:
+                out.append(((shard, pos), shard, index.starts[pos], index.ends[pos]))
+        return out
 
     def _check_version(self, shard: int) -> None:
         """Once per process and shard: the object is still the version that was indexed."""
@@ -301,44 +318,34 @@ class ShardedDataset(Dataset):
             )
         self._verified.add(shard)
 
-    def _read_ranges(self, ranged: list[tuple[int, list[tuple[int, int]]]], records: list[Any]) -> None:
-        """One ``cat_ranges`` call for every run of neighbouring records of every shard."""
-        paths, starts, ends, runs = [], [], [], []
-        for shard, wanted in ranged:
-            path, index = self.shards[shard]
-            wanted = sorted(wanted, key=lambda w: w[1])
-            run: list[tuple[int, int]] = []
-            for out, pos in wanted:
-                if run and pos - run[-1][1] > 1:  # not the same or the next record: a new range
-                    runs.append((shard, run))
-                    run = []
-                run.append((out, pos))
-            runs.append((shard, run))
-        for shard, run in runs:
-            path, index = self.shards[shard]
-            paths.append(path)
-            starts.append(index.starts[run[0][1]])
-            ends.append(max(index.ends[p] for _, p in run))
+    def _read_spans(self, spans: list[tuple[Any, int, int, list[Any]]]) -> dict[Any, bytes]:
+        """The records of :func:`~unison.data.read_ahead.coalesce`'s spans: one request per span, all in one
+        ``cat_ranges`` call (concurrent in s3fs)."""
+        for shard in sorted({span[0] for span in spans}):
+            self._check_version(shard)
+        paths = [self.shards[shard][0] for shard, *_ in spans]
+        starts, ends = [span[1] for span in spans], [span[2] for span in spans]
         fs = self.filesystem()
-        first_url = self.shards[runs[0][0]][1].url
+        first_url = self.shards[spans[0][0]][1].url
         try:
             blobs = self._retrying("read", first_url, lambda: fs.cat_ranges(paths, starts, ends, on_error="raise"))
         except FileNotFoundError:
-            missing = [self.shards[s][1].url for s, _ in runs if not fs.exists(self.shards[s][0])]
+            missing = [self.shards[s][1].url for s in {span[0] for span in spans} if not fs.exists(self.shards[s][0])]
             gone = ", ".join(missing) or first_url
             raise ShardError(f"{gone}: shard not found (it was indexed, then removed)") from None
-        for (shard, run), start, blob in zip(runs, starts, blobs):
-            index = self.shards[shard][1]
-            self.stats.bytes += len(blob)
-            self.stats.requests += 1
-            for out, pos in run:
-                lo, hi = index.starts[pos] - start, index.ends[pos] - start
-                if hi > len(blob):
-                    raise ShardError(f"{index.url}: record {pos} ends past the end of the shard (truncated)")
-                records[out] = (shard, pos, blob[lo:hi])
+        self.stats.add(bytes=sum(len(blob) for blob in blobs), requests=len(blobs))
+        records = {}
+        for (shard, start, _, members), blob in zip(spans, blobs):
+            for (_, pos), _, lo, hi in members:
+                if hi - start > len(blob):
+                    url = self.shards[shard][1].url
+                    raise ShardError(f"{url}: record {pos} ends past the end of the shard (truncated)")
+                records[shard, pos] = blob[lo - start : hi - start]
+        return records
 
     def _from_block(self, shard: int, pos: int) -> Any:
         """A record of a Parquet row group or a decompressed shard, through this process's block cache."""
+        self._check_version(shard)
         path, index = self.shards[shard]
         if index.format == "parquet":
             group, row = 0, pos
@@ -362,7 +369,7 @@ class ShardedDataset(Dataset):
 
     def _load_block(self, path: str, index: ShardIndex, group: int) -> Any:
         fs = self.filesystem()
-        self.stats.requests += 1
+        self.stats.add(requests=1)
         if index.format == "parquet":
             import pyarrow.parquet as pq
 
@@ -373,7 +380,7 @@ class ShardedDataset(Dataset):
                     raise ShardError(f"{index.url}: row group {group} is unreadable ({exc})") from None
             return table.to_pylist()
         data = fs.cat_file(path)
-        self.stats.bytes += len(data)
+        self.stats.add(bytes=len(data))
         try:
             return decompressor(index.format)(data)
         except (OSError, EOFError, ValueError) as exc:

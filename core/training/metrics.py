@@ -1,7 +1,8 @@
 """Metrics on their way to the loggers (``unison_log_metrics``).
 
 :class:`MetricsLog` is the one path every metric takes: the step's own
-(``train/loss``, ``train/grad_norm``, ``train/lr``, skips) at each logging
+(``train/loss``, ``train/grad_norm``, ``train/lr``, skips; ``data/retries`` for a
+sharded data source) at each logging
 step, validation's, and the user's from :meth:`Trainer.log
 <unison.training.trainer.Trainer.log>`. Each sent value is also recorded in
 ``trainer.progress.metrics`` (the latest per name). Inside the training loop
@@ -52,6 +53,12 @@ class MetricsLog:
         }
         if len(output.lrs) > 1:
             metrics.update({f"train/lr-group{i}": lr for i, lr in enumerate(output.lrs)})
+        data = self._trainer.data
+        retries = data.read_retries() if data is not None else None
+        # Transient object-storage errors the data source retried, its loader workers included; this
+        # rank's own (reducing over ranks would cost a collective per logging step).
+        if retries is not None:
+            metrics["data/retries"] = float(retries)
         metrics.update(self._pending)
         self._pending = {}
         self.emit(metrics)
