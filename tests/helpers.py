@@ -134,6 +134,26 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+def assert_matches_single(
+    run: dict[str, Any], reference: dict[str, Any], *, tol: float = 1e-6, rel: float = 1e-6
+) -> None:
+    """A composed strategy's 20-step run (:func:`train`) against the uninterrupted ``single`` one.
+
+    Final weights within ``tol``; the same hooks, monitored values and step counts; every step's global
+    grad norm and loss within ``rel``. The reference's norm must exceed the clip value, so clipping clips:
+    a norm reduced over too few or too many mesh dimensions changes both the norm and the weights.
+    """
+    import pytest
+
+    assert max(h["grad_norm"] for h in reference["history"]) > 0.5, "clipping must actually clip"
+    assert max_abs_diff(run["state"], reference["state"]) <= tol
+    assert run["hooks"] == reference["hooks"] and run["monitored"] == reference["monitored"]
+    assert run["optimizer_steps"] == run["scheduler_steps"] == reference["optimizer_steps"]
+    for a, b in zip(run["history"], reference["history"], strict=True):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=rel)
+        assert a["loss"] == pytest.approx(b["loss"], rel=rel)
+
+
 def suite_report_dir(tmp_path_factory: Any, name: str) -> Any:
     """Where a test's conformance run writes its report: ``$UNISON_CI_REPORTS/NAME`` when set (``.ci/run``
     scores the deliberately broken strategies' reports there: the mutation score), else a temporary directory."""

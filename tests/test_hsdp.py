@@ -16,7 +16,7 @@ from unison.contract.ownership import PrecisionOwner, StateDictKind
 from unison.launch.torchrun import spawn
 
 from fsdp_worlds import wide_mlp
-from helpers import max_abs_diff, train
+from helpers import assert_matches_single, max_abs_diff, train
 from hsdp_worlds import hsdp_world, zero3_from
 
 #: Final weights of every composed run against one uninterrupted single run.
@@ -38,17 +38,10 @@ def world(tmp_path_factory) -> tuple[str, list[dict]]:
 @pytest.mark.distributed
 def test_fp32_matches_single_with_accumulation_clipping_and_scheduler(world, reference):
     _, ranks = world
-    assert max(h["grad_norm"] for h in reference["history"]) > 0.5, "clipping must actually clip"
     for rank in ranks:
-        run = rank["fp32"]
-        assert max_abs_diff(run["state"], reference["state"]) <= TOL
-        assert run["hooks"] == reference["hooks"] and run["monitored"] == reference["monitored"]
-        assert run["optimizer_steps"] == run["scheduler_steps"] == 20
-        for a, b in zip(run["history"], reference["history"], strict=True):
-            # The global norm over both mesh dimensions: a norm summed over the replicas too would be
-            # sqrt(2) times this one, a norm of one rank's shards alone smaller.
-            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=NORM_REL)
-            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+        # The grad norm over both mesh dimensions: summed over the replicas too it would be sqrt(2) times
+        # larger, over one rank's shards alone smaller.
+        assert_matches_single(rank["fp32"], reference, tol=TOL, rel=NORM_REL)
 
 
 @pytest.mark.distributed
