@@ -105,6 +105,22 @@ def shard_units(model: torch.nn.Module, classes: list[str] | None) -> list[tuple
     return units
 
 
+def sharding_policies(policy_precision: bool) -> tuple[Any, Any]:
+    """FSDP2 ``MixedPrecisionPolicy`` for the inner units and for the root.
+
+    With the sharding policy owning precision (bf16-mixed): parameters gathered in bf16, gradients
+    reduced in fp32, and the root's outputs cast to fp32 so the loss runs in fp32; otherwise the
+    defaults (no casting).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if not policy_precision:
+        return MixedPrecisionPolicy(), MixedPrecisionPolicy()
+    inner = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    return inner, root
+
+
 def _float_outputs(data: Any) -> Any:
     """Low-precision floating outputs cast to fp32 (the loss then runs in fp32)."""
     if isinstance(data, torch.Tensor):

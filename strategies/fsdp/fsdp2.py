@@ -26,6 +26,7 @@ from unison.strategies.fsdp.common import (
     ShardedStrategy,
     precision_table,
     shard_units,
+    sharding_policies,
 )
 
 #: Measured on CPU/gloo, world 2, torch 2.13 (MLP 8-32-32-1, AdamW lr 1e-2, 20
@@ -96,7 +97,6 @@ class FSDP2Strategy(ShardedStrategy):
         assert env is not None
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
-            MixedPrecisionPolicy,
             OffloadPolicy,
             fully_shard,
         )
@@ -106,12 +106,7 @@ class FSDP2Strategy(ShardedStrategy):
         self.apply_features(module)
         mesh = self._shard_mesh(env, module)
         self._policy_precision = precision.support.owner is PrecisionOwner.SHARDING_POLICY
-        inner_mp = root_mp = MixedPrecisionPolicy()
-        if self._policy_precision:
-            inner_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            root_mp = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
-            )
+        inner_mp, root_mp = sharding_policies(self._policy_precision)
         offload = (
             CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if self.options.cpu_offload else OffloadPolicy()
         )

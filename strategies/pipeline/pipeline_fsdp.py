@@ -71,7 +71,7 @@ from unison.contract.ownership import (
     StateDictKind,
 )
 from unison.errors import ConfigurationError
-from unison.strategies.fsdp.common import shard_units
+from unison.strategies.fsdp.common import shard_units, sharding_policies
 from unison.strategies.pipeline.base import PIPELINE_REFUSALS, pipeline_world_sizes
 from unison.strategies.pipeline.layout import SCHEDULES, as_layers
 from unison.strategies.pipeline.torch_pipeline import PipelineOptions, PipelineStrategy
@@ -206,15 +206,10 @@ class PipelineFSDPStrategy(PipelineStrategy):
 
     def _prepare_stages(self, runners: list[Any], mesh: Any, precision: Any) -> None:
         """``fully_shard`` each stage over ``dp``: its units bottom-up, then the runner as the stage root."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         self._policy_precision = precision.support.owner is PrecisionOwner.SHARDING_POLICY
-        inner = root = MixedPrecisionPolicy()
-        if self._policy_precision:
-            inner = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            root = MixedPrecisionPolicy(
-                param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32
-            )
+        inner, root = sharding_policies(self._policy_precision)
         common = {"mesh": mesh["dp"], "reshard_after_forward": self.options.reshard_after_forward}
         for runner in runners:
             # Children before parents (reversed pre-order), as fsdp does.
