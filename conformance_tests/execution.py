@@ -6,7 +6,9 @@ A run whose Trainer refuses the configuration with a ``ConfigurationError``
 with the option, the declared feature (:class:`unison.DeclaredRefusal`) and
 the message; the comparison decides whether the declaration allowed it. A
 ``ConfigurationError`` once setup started, and any other exception, is an
-``error`` with the traceback: never a refusal. If a rank fails inside a
+``error`` with the traceback: never a refusal. A run that resumes from one
+which left no checkpoint is ``not_run`` (it never started; the cell is judged
+on the run before it). If a rank fails inside a
 collective the other ranks cannot continue: the world then times out and every
 strategy run of it is reported with the world's error, which names the run
 each rank was in and, for a hang, each rank's stack (dumped by

@@ -72,8 +72,15 @@ def _resume_source(ctx: PhaseContext, scenario: Scenario, run: Run) -> Path | No
     root = ctx.reference_root if backend == "reference" else ctx.strategy_root
     source = Checkpointer(_checkpoint_root(root, scenario.name, run_id)).latest()
     if source is None:
-        raise FileNotFoundError(f"no checkpoint from {backend} run {run_id!r} of scenario {scenario.name!r}")
+        raise _NotRun(
+            f"not run: {backend} run {run_id!r} of scenario {scenario.name!r} left no checkpoint to resume "
+            "(it was refused or failed; its own trace says which)"
+        )
     return source
+
+
+class _NotRun(Exception):
+    """The run this one resumes from left no checkpoint: this run was never started."""
 
 
 def phase_runs(ctx: PhaseContext, scenario: Scenario) -> list[Run]:
@@ -159,7 +166,10 @@ def _run_one(
 ) -> None:
     try:
         resume = _resume_source(ctx, scenario, run)
-    except BaseException as exc:  # a missing or unreadable checkpoint: this run's failure
+    except _NotRun as exc:  # not this run's failure: the cell is judged on the run before it
+        out.setdefault(scenario.name, {})[run.id] = {"status": "not_run", "reason": str(exc), "wall_s": 0.0}
+        return
+    except BaseException as exc:  # an unreadable checkpoint: this run's failure
         if isinstance(exc, KeyboardInterrupt):
             raise
         out.setdefault(scenario.name, {})[run.id] = {
