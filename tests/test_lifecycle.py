@@ -8,12 +8,14 @@ is compared bitwise with an uninterrupted job of the same strategy.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -262,6 +264,22 @@ def test_a_missing_rank_fails_the_start_within_the_rendezvous_timeout(tmp_path):
     assert elapsed < 60, elapsed
 
 
+@contextlib.contextmanager
+def _sigint_as_at_a_terminal() -> Iterator[None]:
+    """Start children with Ctrl-C handled, as a terminal's foreground job is.
+
+    A shell starts background jobs (``cmd &`` without job control, ``nohup``)
+    with SIGINT ignored, and an ignored signal stays ignored across exec: such
+    a test run would send a Ctrl-C its child never sees. A handled signal is
+    reset to the default on exec, so the child's Python installs its own.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.timeout(400)
 def test_ctrl_c_during_a_save_is_an_interrupt_and_the_previous_checkpoint_verifies(tmp_path):
     """SIGINT while DCP writes: the process ends as interrupted (the shell's 130), not as a failed save.
@@ -275,7 +293,10 @@ def test_ctrl_c_during_a_save_is_an_interrupt_and_the_previous_checkpoint_verifi
         ckpt, out = tmp_path / f"ckpt{attempt}", tmp_path / f"state{attempt}.pt"
         args = [sys.executable, SCRIPT, "--strategy", "single", "--steps", "3", "--hidden", "2048", "--layers", "3"]
         args += ["--ckpt", str(ckpt), "--out", str(out)]
-        proc = subprocess.Popen(args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        with _sigint_as_at_a_terminal():
+            proc = subprocess.Popen(
+                args, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
         writing = ckpt / ".step-00000002.partial" / "state"
         deadline = time.monotonic() + 100
         while not writing.exists() and proc.poll() is None and time.monotonic() < deadline:
