@@ -28,7 +28,7 @@ if "UNISON_RUNS_ROOT" not in os.environ:
 
 
 # Module -> why it runs in the long tier (minutes each; their behaviour is also covered in the quick tier
-# by the per-backend and CLI tests, or they repeat runs on purpose).
+# by the per-backend and CLI tests or by the conformance steps of .ci/run, or they repeat runs on purpose).
 FULL_TIER = {
     "test_lifecycle_stress.py": "repeats whole 2-rank runs to catch rare failures",
     "test_conformance_broken.py": "the mutation suites: every deliberately broken strategy through the suite",
@@ -48,6 +48,8 @@ FULL_TIER = {
     "test_fsdp_tp.py": "4-rank worlds (fsdp_tp on a 2x2 mesh, cross-backend resumes)",
     "test_pipeline_fsdp.py": "4-rank worlds (pipeline_fsdp on a 2x2 mesh, cross-backend resumes)",
     "test_conformance_broken_composed.py": "the mutation suites for composed strategies at world 4",
+    "test_torch_zero_fairscale.py": "three sharded-optimizer backends' worlds; .ci/run's matrix certifies them",
+    "test_apex_distributed.py": "18 two-rank runs of the apex strategy on a named stand-in (apex is CUDA-only)",
 }
 
 
