@@ -12,11 +12,10 @@ needs it is touched.
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
 import sys
-import warnings
 from typing import TYPE_CHECKING, Any
+
+from unison import _moved
 
 __version__ = "0.2.0"
 
@@ -116,68 +115,9 @@ if TYPE_CHECKING:  # pragma: no cover - what editors and type checkers see
 
 
 # Modules that moved into subpackages in 0.2 (core grouped by concern: contract, plugin, data,
-# checkpointing, launch, config, training). The old flat paths still import, with a
-# DeprecationWarning naming the new one, until 0.3.
-_MOVED = {
-    "strategy": "contract.strategy",
-    "ownership": "contract.ownership",
-    "precision": "contract.precision",
-    "state": "contract.state",
-    "env": "contract.env",
-    "settings": "contract.settings",
-    "hookspecs": "plugin.hookspecs",
-    "manager": "plugin.manager",
-    "registry": "plugin.registry",
-    "data": "data.loader",
-    "batch": "data.batch",
-    "checkpoint": "checkpointing.checkpointer",
-    "checkpoint_cli": "checkpointing.cli",
-    "export": "checkpointing.export",
-    "manifest": "checkpointing.manifest",
-    "safe_io": "checkpointing.safe_io",
-    "storage": "checkpointing.storage",
-    "remote_storage": "checkpointing.remote_storage",
-    "lease": "checkpointing.lease",
-    "launch": "launch.torchrun",
-    "launch_report": "launch.report",
-    "lifecycle": "launch.lifecycle",
-    "watchdog": "launch.watchdog",
-    "worker": "launch.worker",
-    "cluster": "launch.cluster",
-    "setup_report": "launch.setup_report",
-    "config": "config.load",
-    "config_optim": "config.optim",
-    "config_schema": "config.schema",
-    "config_source": "config.source",
-    "config_trust": "config.trust",
-    "trainer": "training.trainer",
-    "runs": "training.runs",
-}
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves ``unison.<old>`` to the module now at ``unison.<new>`` (the same module object)."""
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        prefix, _, old = fullname.partition(".")
-        if prefix != "unison" or old not in _MOVED:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
-
-    def create_module(self, spec: Any) -> Any:
-        new = f"unison.{_MOVED[spec.name.partition('.')[2]]}"
-        warnings.warn(
-            f"{spec.name} moved to {new}; import it from there (the old path is removed in unison 0.3)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return importlib.import_module(new)
-
-    def exec_module(self, module: Any) -> None:
-        """The module was executed under its new name already."""
-
-
-sys.meta_path.append(_MovedModuleFinder())
+# checkpointing, launch, config, training): the old paths still import, with a DeprecationWarning
+# naming the new home, until 0.3 (unison._moved holds the tables).
+sys.meta_path.append(_moved.MovedModuleFinder())
 
 
 def __getattr__(name: str) -> Any:

@@ -10,3 +10,13 @@
 * :mod:`~unison.data.validation` - validation batches with per-sample weights;
 * :mod:`~unison.data.batch` - batches of any structure (device moves, sizes, tokens).
 """
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """The names of the 0.1 module ``unison.data`` (``TrainData``...), from their homes
+    today, each use with a DeprecationWarning naming the home (until 0.3; :mod:`unison._moved`)."""
+    from unison._moved import old_name
+
+    return old_name(__name__, name)

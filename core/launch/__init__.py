@@ -8,3 +8,13 @@
 * :mod:`~unison.launch.cluster` - cluster environments across nodes;
 * :mod:`~unison.launch.setup_report` - what a run is setting up, said as it starts.
 """
+
+from typing import Any
+
+
+def __getattr__(name: str) -> Any:
+    """The names of the 0.1 module ``unison.launch`` (``spawn``...), from their homes
+    today, each use with a DeprecationWarning naming the home (until 0.3; :mod:`unison._moved`)."""
+    from unison._moved import old_name
+
+    return old_name(__name__, name)
