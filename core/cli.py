@@ -28,6 +28,7 @@ from rich.table import Table
 # (``unison --help`` imports neither; see PluginManager(lazy=True)).
 from unison.checkpointing.cli import checkpoint as checkpoint_commands
 from unison.errors import UnisonError
+from unison.launch import messages
 from unison.plugin.manager import PluginManager
 
 if TYPE_CHECKING:
@@ -140,14 +141,19 @@ def describe(name: str) -> None:
 
 
 _NPROC_HELP = "Processes on this node (default: the cluster environment's count, else 1)."
+_LOG_FORMAT_HELP = (
+    "unison's messages as text lines (default) or one JSON object per line (time, level, rank, node, step, "
+    "run_id, message), in this process and every worker; sets UNISON_LOG_FORMAT."
+)
 _CLUSTER_HELP = "Cluster environment (torchrun, slurm, kubernetes...); default: detected from the environment."
 
 
 @cli.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--nproc", type=click.IntRange(min=1), default=None, help=_NPROC_HELP)
 @click.option("--cluster", default=None, metavar="NAME", help=_CLUSTER_HELP)
+@click.option("--log-format", type=click.Choice(["text", "json"]), default=None, help=_LOG_FORMAT_HELP)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def run(nproc: int | None, cluster: str | None, args: tuple[str, ...]) -> None:
+def run(nproc: int | None, cluster: str | None, log_format: str | None, args: tuple[str, ...]) -> None:
     """Run a training script under torchrun: ``unison run --nproc 2 train.py --lr 1e-3``.
 
     Options before the script, in ``--name=value`` form, go to torchrun
@@ -161,6 +167,7 @@ def run(nproc: int | None, cluster: str | None, args: tuple[str, ...]) -> None:
         torchrun_args.append(rest.pop(0))
     if not rest:
         raise click.UsageError("no script given")
+    messages.configure(log_format)  # the launcher's report and every worker's messages
     from unison.launch.torchrun import run_script
 
     sys.exit(run_script(rest[0], nproc, rest[1:], torchrun_args, cluster))
@@ -199,6 +206,7 @@ def run(nproc: int | None, cluster: str | None, args: tuple[str, ...]) -> None:
 @click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="Rendezvous endpoint every node reaches.")
 @click.option("--rdzv-id", default=None, metavar="ID", help="Job id shared by the nodes.")
 @click.option("--cluster", default=None, metavar="NAME", help=_CLUSTER_HELP)
+@click.option("--log-format", type=click.Choice(["text", "json"]), default=None, help=_LOG_FORMAT_HELP)
 def train(
     config: str,
     strategy: str | None,
@@ -213,6 +221,7 @@ def train(
     rdzv_endpoint: str | None,
     rdzv_id: str | None,
     cluster: str | None,
+    log_format: str | None,
 ) -> None:
     """Train from a TOML or YAML CONFIG (see unison.config.load for the layout).
 
@@ -222,12 +231,13 @@ def train(
     """
     from unison.checkpointing.resume import ResumeKind, ResumeRequest  # no torch: a bad form fails at once
 
+    messages.configure(log_format)  # before the first line; the workers inherit it (UNISON_LOG_FORMAT)
     request = ResumeRequest.parse(resume)
     if max_restarts and request.kind is not ResumeKind.AUTO:
         # A restarted world must continue from its last checkpoint, not refuse its own directory.
         raise click.UsageError("--max-restarts needs --resume auto")
     if "LOCAL_RANK" not in os.environ:  # at once, before torch loads (seconds); workers stay quiet
-        console.print(f"unison train {escape(config)}: loading torch, checking the config", highlight=False)
+        _say(f"unison train {config}: loading torch, checking the config")
     from unison.config.load import load_config, resolve_run
     from unison.training.preflight import build_strategy
 
@@ -304,13 +314,21 @@ def _train_here(
     )
     if trainer.is_global_zero:
         last = progress.history[-1] if progress.history else None
-        console.print(f"final train loss: {last['loss']:.4f}" if last else "no step was run")
+        _say(f"final train loss: {last['loss']:.4f}" if last else "no step was run")
         if trainer.last_validation is not None:
-            console.print(f"final validation loss: {trainer.last_validation['val/loss']:.4f}")
+            _say(f"final validation loss: {trainer.last_validation['val/loss']:.4f}")
         if progress.checkpoint is not None:
-            console.print(f"checkpoint: {progress.checkpoint}")
+            _say(f"checkpoint: {progress.checkpoint}")
         if progress.run_dir is not None:
-            console.print(f"run: {progress.run_dir}")
+            _say(f"run: {progress.run_dir}")
+
+
+def _say(line: str) -> None:
+    """A result line on stdout: plain text, or one JSON object in the json log format."""
+    if messages.log_format() == "json":
+        messages.say(line, file=sys.stdout)
+    else:
+        console.print(line, highlight=False, markup=False)
 
 
 def _config_plugins(config: Any, base: Any, pm: PluginManager) -> list[Any]:
@@ -344,7 +362,10 @@ def main(argv: list[str] | None = None) -> None:
         # An error in this process itself (before any worker, or a run trained here): printed once, and
         # the error's own exit code (a ConfigurationError or PluginError 2, any other UnisonError 1; unison.errors).
         # escape: messages name extras like unison[tensorboard], which rich would read as markup
-        console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+        if messages.log_format() == "json":
+            messages.say(f"error: {exc}", level="error")
+        else:
+            console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(exc.exit_code)
 
 

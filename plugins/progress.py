@@ -21,6 +21,7 @@ a second for the live bar, once per plain line), never every step.
 from __future__ import annotations
 
 import datetime
+import sys
 import time
 from typing import Any, Literal
 
@@ -35,6 +36,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from unison.launch import messages
 from unison.plugin import hookimpl
 
 from ._timing import StepWindow
@@ -89,6 +91,8 @@ class ProgressBar:
 
     # -- helpers -------------------------------------------------------------- #
     def _live(self) -> bool:
+        if messages.log_format() == "json":  # a log service reads lines: no live bar
+            return False
         if self.mode != "auto":
             return self.mode == "rich"
         return (self.console or Console()).is_terminal
@@ -105,7 +109,9 @@ class ProgressBar:
         return " | ".join(parts)
 
     def _print(self, line: str) -> None:
-        if self._bar is not None:
+        if messages.log_format() == "json":
+            messages.say(line, file=sys.stdout)  # one JSON object per line, on stdout like the text lines
+        elif self._bar is not None:
             self._bar.console.print(line, markup=False, highlight=False)
         elif self.console is not None:
             self.console.print(line, markup=False, highlight=False, soft_wrap=True)

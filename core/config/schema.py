@@ -112,6 +112,28 @@ class WandbConfig(_Strict):
     """Tags on every run."""
 
 
+class PrometheusConfig(_Strict):
+    port: int | None = pydantic.Field(9400, ge=1, le=65535)
+    """First port to serve ``/metrics`` on (each rank adds its ``LOCAL_RANK``); ``None``: do not serve."""
+    addr: str = "0.0.0.0"
+    """Address to serve on."""
+    pushgateway: str | None = None
+    """Pushgateway URL to push to (``http://HOST:9091``), for jobs shorter than a scrape interval."""
+    job: str = "unison"
+    """The Pushgateway's ``job`` label."""
+    push_every_s: float = pydantic.Field(15.0, ge=0)
+    """Least seconds between two pushes during the fit (and one at its end)."""
+
+
+class OpenTelemetryConfig(_Strict):
+    endpoint: str | None = None
+    """OTLP/HTTP metrics URL (``http://HOST:4318/v1/metrics``); ``None``: the ``OTEL_EXPORTER_OTLP_*`` variables."""
+    export_every_s: float = pydantic.Field(10.0, gt=0)
+    """Seconds between exports (and one at the end of the fit)."""
+    service_name: str = "unison"
+    """The ``service.name`` resource attribute."""
+
+
 class LoggingConfig(_Strict):
     """Metric loggers; each fit writes into a new ``dir/version_N`` (see ``unison.plugins.loggers``)."""
 
@@ -131,6 +153,10 @@ class LoggingConfig(_Strict):
     """Log each fit as an MLflow run (a ``[logging.mlflow]`` table enables it; needs ``unison[mlflow]``)."""
     wandb: WandbConfig | None = None
     """Log each fit as a W&B run, offline by default (``[logging.wandb]``; needs ``unison[wandb]``)."""
+    prometheus: PrometheusConfig | None = None
+    """Every rank's metrics for Prometheus, served or pushed (``[logging.prometheus]``; ``unison[prometheus]``)."""
+    otel: OpenTelemetryConfig | None = None
+    """Every rank's metrics over OTLP/HTTP (``[logging.otel]``; needs ``unison[otel]``)."""
 
     @pydantic.model_validator(mode="after")
     def _file_loggers_need_dir(self) -> LoggingConfig:

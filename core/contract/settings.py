@@ -72,6 +72,8 @@ class TrainerSettings(pydantic.BaseModel):
     """Progress display on rank 0: ``auto`` draws a live bar in a terminal and prints plain lines otherwise."""
     progress_every_n_steps: int | None = pydantic.Field(None, ge=1)
     """Steps between plain progress lines; ``None`` prints about 20 lines per run."""
+    log_format: Literal["text", "json"] | None = None
+    """unison's messages as ``text`` or ``json`` (one object per line); ``None``: ``UNISON_LOG_FORMAT``, else text."""
     throughput: bool = True
     """Log step time, samples/s, tokens/s and peak memory on logging steps (the default Throughput callback)."""
     nonfinite: Literal["raise", "skip", "continue"] = "raise"

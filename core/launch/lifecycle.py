@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from unison._upstream import set_default_group_timeout
+from unison.launch import messages
 
 #: Exit code of a run that stopped on request after committing a checkpoint
 #: (EX_TEMPFAIL: "temporary failure, try again"). Restart it with
@@ -192,7 +193,7 @@ class RunGuard:
             path = checkpointer.latest()
         stop = Preempted(trainer.global_step, reason, str(path) if path else None)
         if trainer.is_global_zero:
-            print(f"unison: {stop}; exiting with code {PREEMPTED_EXIT_CODE}", file=sys.stderr, flush=True)
+            messages.say(f"unison: {stop}; exiting with code {PREEMPTED_EXIT_CODE}", level="warning")
         raise stop
 
     # -- context -------------------------------------------------------------- #
@@ -289,7 +290,9 @@ def report_worker_failure(exc: BaseException) -> int:
     if record_error(exc) and os.environ.get(LAUNCHER_ENV) == "1":
         return code
     if code == EXIT_CONFIGURATION:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        messages.say(f"error: {exc}", level="error")
+    elif messages.log_format() == "json":  # the traceback as one record's message
+        messages.say("".join(traceback.format_exception(exc)).rstrip(), level="error")
     else:
         traceback.print_exception(exc)
     return code

@@ -10,7 +10,7 @@ and not at all with ``progress="off"``.
 
 from __future__ import annotations
 
-import sys
+from unison.launch import messages
 
 
 class SetupReport:
@@ -21,4 +21,4 @@ class SetupReport:
 
     def __call__(self, what: str) -> None:
         if self.enabled:
-            print(f"unison: setting up {what}", file=sys.stderr, flush=True)
+            messages.say(f"unison: setting up {what}")

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -29,6 +30,7 @@ from typing import Any, NoReturn
 import torch.multiprocessing as mp
 
 from unison.errors import ConfigurationError
+from unison.launch import messages
 from unison.launch.report import summarize_failures, watch_torchrun
 
 
@@ -97,11 +99,9 @@ def run_script(
 
     nproc, torchrun_args, launch = cluster_launch(nproc, torchrun_args, cluster)
     if launch.environment != "torchrun":
-        print(
+        messages.say(
             f"unison run: {launch.environment} ({'; '.join(launch.notes) or 'detected'}): "
-            f"{' '.join(launch.torchrun_args()) or 'single node'}",
-            file=sys.stderr,
-            flush=True,
+            f"{' '.join(launch.torchrun_args()) or 'single node'}"
         )
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     torchrun_args = list(torchrun_args)
@@ -112,13 +112,19 @@ def run_script(
         target = ["unison.launch.worker", *(["--module"] if as_module else []), *target]
         torchrun_args.append("--module")
     argv = [f"--nproc-per-node={nproc}", *torchrun_args]
+    run_id = None
     if not any(a.startswith(("--rdzv", "--master", "--nnodes", "--standalone")) for a in torchrun_args):
         argv.insert(0, "--standalone")  # single node, free port, no rendezvous server to run
+        # One id for the job's messages and metrics (a multi-node job's is its --rdzv-id, TORCHELASTIC_RUN_ID).
+        run_id = os.environ.get(messages.RUN_ID_ENV) or uuid.uuid4().hex[:12]
     if not any(a.startswith(("--signals-to-handle", "--signals_to_handle")) for a in torchrun_args):
         argv.append(f"--signals-to-handle={_SIGNALS_TO_HANDLE}")
     argv += target
     previous = os.environ.get(LAUNCHER_ENV)
+    previous_id = os.environ.get(messages.RUN_ID_ENV)
     os.environ[LAUNCHER_ENV] = "1"  # the workers record their errors; the report is printed here
+    if run_id is not None:
+        os.environ[messages.RUN_ID_ENV] = run_id
     try:
         with watch_torchrun() as failed_before_close:
             # torchrun.run, not torchrun.main: main's @record prints the failure
@@ -126,16 +132,18 @@ def run_script(
             torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as exc:
         code, lines = summarize_failures(exc.failures, failed_before_close)
-        print("\n".join(lines), file=sys.stderr, flush=True)
+        messages.say("\n".join(lines), level="error")  # the job's one report: one record in the json format
         return code
     except SignalException as exc:  # the launcher itself was told to stop; workers got the signal too
-        print(f"unison run: stopped by {exc.sigval.name}; the workers were asked to stop", file=sys.stderr)
+        messages.say(f"unison run: stopped by {exc.sigval.name}; the workers were asked to stop", level="warning")
         return 128 + int(exc.sigval)
     finally:
         if previous is None:
             os.environ.pop(LAUNCHER_ENV, None)
         else:
             os.environ[LAUNCHER_ENV] = previous
+        if previous_id is None:
+            os.environ.pop(messages.RUN_ID_ENV, None)
     return 0
 
 

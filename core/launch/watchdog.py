@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from unison.errors import EXIT_STALLED, ConfigurationError, UnisonError
+from unison.launch import collectives, messages
 
 #: Default of ``stall_timeout_s``: far above any healthy pause of a heartbeat
 #: thread, far below the collective timeout.
@@ -128,6 +129,11 @@ class StallDetector:
             return "no heartbeat seen"
         rec = seen.record
         return f"step {rec.get('step')} ({rec.get('phase')})"
+
+    def collective(self, rank: int) -> str:
+        """The last collective ``rank``'s heartbeat said it entered (:mod:`unison.launch.collectives`)."""
+        seen = self.seen.get(rank)
+        return collectives.summary(seen.record.get("collective")) if seen is not None else "no heartbeat seen"
 
 
 # --------------------------------------------------------------------------- #
@@ -256,6 +262,7 @@ class Watchdog:
         self._beat_count += 1
         step, phase = self.where
         record = {"beat": self._beat_count, "step": step, "phase": phase, "state": state, **self._identity}
+        record["collective"] = collectives.RECORDER.describe()  # the last one this rank entered
         self.store.set(self._key(self.rank), json.dumps(record))
 
     def _read(self) -> dict[int, dict[str, Any]]:
@@ -296,7 +303,8 @@ class Watchdog:
                 step, phase = self.where
                 self._stalled(
                     f"rank {self.rank} was frozen for {now - waited_from:.1f} s at step {step} ({phase}), stopped or "
-                    "starved of CPU; the other ranks report it as stalled"
+                    "starved of CPU; the other ranks report it as stalled; its last collective entered: "
+                    + collectives.summary(collectives.RECORDER.describe())
                 )
                 return
             with self._lock:
@@ -320,10 +328,19 @@ class Watchdog:
             return
 
     def _positions(self, detector: StallDetector, others: list[int]) -> str:
-        step, phase = self.where
-        parts = [f"rank {self.rank} (this one) at step {step} ({phase})"]
+        parts = [self._here()]
         parts += [f"rank {r}'s last heartbeat at {detector.where(r)}" for r in others]
-        return "; ".join(parts)
+        return "; ".join(parts) + "; " + self._last_collectives(detector, others)
+
+    def _here(self) -> str:
+        step, phase = self.where
+        return f"rank {self.rank} (this one) at step {step} ({phase})"
+
+    def _last_collectives(self, detector: StallDetector, others: list[int]) -> str:
+        """Where each rank is in the collective schedule: this rank's own record, the others' last heartbeats'."""
+        mine = collectives.summary(collectives.RECORDER.describe())
+        parts = [f"rank {self.rank} (this one): {mine}"] + [f"rank {r}: {detector.collective(r)}" for r in others]
+        return "last collective entered: " + "; ".join(parts)
 
     def _describe(self, detector: StallDetector, stalled: list[int], now: float, others: list[int]) -> str:
         names = []
@@ -334,10 +351,9 @@ class Watchdog:
             last = f"its last one at {detector.where(r)}" if rec else "none seen since the watchdog started"
             names.append(f"rank {r}{at}: no heartbeat for {silent:.1f} s, {last}")
         live = [r for r in others if r not in stalled]
-        step, phase = self.where
-        where = [f"rank {self.rank} (this one) at step {step} ({phase})"]
+        where = [self._here()]
         where += [f"rank {r} at {detector.where(r)}" for r in live]
-        return f"stalled {', '.join(names)}; live: {'; '.join(where)}"
+        return f"stalled {', '.join(names)}; live: {'; '.join(where)}; " + self._last_collectives(detector, others)
 
     def _stopped_here(self, detector: StallDetector, stalled: list[int]) -> list[tuple[int, str | None]]:
         """(pid, start time) of the stalled ranks that run on this host, as their heartbeats said."""
@@ -367,16 +383,15 @@ class Watchdog:
     # -- the default reaction ---------------------------------------------------- #
     def exit_stalled(self, report: str) -> None:
         """Print the report line and this rank's Python stacks, dump the NCCL trace, exit with code 3."""
-        print(
+        messages.say(
             f"unison: rank {self.rank}: {report}. Python stacks of rank {self.rank} follow; exiting with code "
             f"{EXIT_STALLED}",
-            file=sys.stderr,
-            flush=True,
+            level="error",
         )
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         trace = dump_nccl_trace(self.rank)
         if trace:
-            print(f"unison: rank {self.rank}: NCCL flight recorder written to {trace}", file=sys.stderr, flush=True)
+            messages.say(f"unison: rank {self.rank}: NCCL flight recorder written to {trace}", level="error")
         from unison.launch.lifecycle import record_error
 
         record_error(StallError(report))
@@ -403,7 +418,7 @@ def dump_nccl_trace(rank: int) -> str | None:
         with open(path, "wb") as f:
             f.write(data)
     except Exception as exc:  # a failed dump must not hide the stall report
-        print(f"unison: rank {rank}: NCCL flight recorder dump failed: {exc}", file=sys.stderr, flush=True)
+        messages.say(f"unison: rank {rank}: NCCL flight recorder dump failed: {exc}", level="error")
         return None
     return path
 

@@ -20,7 +20,6 @@ one-writer lease) are the :class:`~unison.checkpointing.checkpointer.Checkpointe
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,6 +28,7 @@ from unison.checkpointing.resume import ResumeRequest
 from unison.contract.state import rng_state, seed_everything, set_rng_state
 from unison.data.loader import TrainData
 from unison.errors import ConfigurationError
+from unison.launch import messages
 from unison.training.outputs import Progress
 
 if TYPE_CHECKING:
@@ -159,4 +159,4 @@ class CheckpointManager:
         trainer.pm.unison_on_load_checkpoint(trainer=trainer, checkpoint=state)
         trainer.resumed_from = {"step": trainer.progress.global_step, "checkpoint": str(path)}
         if env.rank == 0 and trainer.settings.progress != "off":  # an info line, like the progress display's
-            print(f"unison: resuming from step {trainer.progress.global_step}: {path}", file=sys.stderr, flush=True)
+            messages.say(f"unison: resuming from step {trainer.progress.global_step}: {path}")

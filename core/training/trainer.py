@@ -21,7 +21,8 @@ Order of one ``fit`` (see :mod:`unison.plugin.hookspecs` for the hooks)::
 
 from __future__ import annotations
 
-import sys
+import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +40,7 @@ from unison.contract.state import seed_everything
 from unison.contract.strategy import LossFn, Strategy
 from unison.data.loader import TrainData
 from unison.errors import ConfigurationError
+from unison.launch import collectives, messages
 from unison.launch.lifecycle import RunGuard
 from unison.launch.setup_report import SetupReport
 from unison.launch.torchrun import check_nproc, start_workers
@@ -101,6 +103,9 @@ class Trainer:
         progress: progress display on rank 0: ``auto``, ``rich``, ``plain`` or ``off`` (``off`` also
             silences the run-directory and resume lines; warnings and errors still print).
         progress_every_n_steps: steps between plain progress lines; ``None`` prints about 20 per run.
+        log_format: unison's messages (progress lines, setup, warnings, the failure report) as ``"text"``
+            or ``"json"``, one object per line with time, level, rank, node, step, run id and message
+            (:mod:`unison.launch.messages`); ``None``: ``UNISON_LOG_FORMAT`` (``--log-format``), else text.
         throughput: log step time, samples/s, tokens/s and peak memory (the default Throughput callback).
         nonfinite: a non-finite loss or grad norm in a precision without loss scaling: ``"raise"``
             (every rank raises :class:`NonFiniteError` naming that step; the check is read one step
@@ -162,6 +167,7 @@ class Trainer:
         persistent_workers: bool = False,
         progress: Literal["auto", "rich", "plain", "off"] = "auto",
         progress_every_n_steps: int | None = None,
+        log_format: Literal["text", "json"] | None = None,
         throughput: bool = True,
         nonfinite: Literal["raise", "skip", "continue"] = "raise",
         max_consecutive_skips: int = 25,
@@ -179,6 +185,13 @@ class Trainer:
         if strategy_options is None:
             given.pop("strategy_options")
         self.settings = parse_settings({**given, **unknown})
+        # Before any message: this process and the workers it may start print in the chosen format.
+        me = weakref.ref(self)  # the messages' context must not keep a finished trainer alive
+        messages.configure(
+            self.settings.log_format,
+            step=lambda: t.global_step if (t := me()) is not None and t.env is not None else None,
+            rank=lambda: t.env.rank if (t := me()) is not None and t.env is not None else None,
+        )
         self.nonfinite, self.max_consecutive_skips = self.settings.nonfinite, self.settings.max_consecutive_skips
         if self.settings.root_dir is not None:
             runs.check_root(self.settings.root_dir)  # before the default loggers open it
@@ -253,6 +266,12 @@ class Trainer:
     @property
     def global_step(self) -> int:
         return self.progress.global_step
+
+    @property
+    def control_group(self) -> Any:
+        """The CPU (gloo) process group for small host-side agreements during ``fit`` (``None``: the
+        default group, which is gloo already, or no world); every rank must call a collective on it alike."""
+        return self._control_group
 
     @property
     def is_global_zero(self) -> bool:
@@ -383,10 +402,9 @@ class Trainer:
             if isinstance(exc, KeyboardInterrupt) and self.checkpointer is not None and self.is_global_zero:
                 # Ctrl-C stops at once (SIGTERM stops at a step boundary and saves): name what is committed.
                 latest = self.checkpointer.latest()
-                print(
+                messages.say(
                     f"unison: interrupted after step {self.global_step}; last committed checkpoint: {latest}",
-                    file=sys.stderr,
-                    flush=True,
+                    level="warning",
                 )
             self.pm.unison_on_exception(trainer=self, exception=exc)
             raise
@@ -418,6 +436,8 @@ class Trainer:
         )
         self.lr_scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler else None
         self.data.to_device = strategy.to_device
+        if env.world_size > 1:  # the last collective each rank entered, for a stall report (assignments only)
+            collectives.install(strategy, lambda: self._watchdog.where)
         self.progress = Progress()
         # What a checkpoint holds besides the strategy's files and the RNG, by its name in trainer.pt.
         self._checkpoints = CheckpointManager(
@@ -516,7 +536,12 @@ class Trainer:
         assert self._checkpoints is not None and self.checkpointer is not None
         if self._loop is not None:
             self._loop.nonfinite.resolve()
+        started = time.perf_counter()
         path = self._checkpoints.save()
+        # The save's wall time on this rank (written, hashed, committed) and the checkpoint's bytes.
+        self.log({"checkpoint/save_time_s": time.perf_counter() - started})
+        if self.checkpointer.last_bytes is not None:
+            self.log({"checkpoint/size_bytes": float(self.checkpointer.last_bytes)})
         retries = getattr(self.checkpointer.storage, "retries", None)
         if retries is not None:  # object storage: calls retried after transient failures, so far in this run
             self.log({"checkpoint/storage_retries": float(retries)})

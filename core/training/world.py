@@ -12,7 +12,6 @@ precision plugin for the rank's device as the strategy's declaration says.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,7 @@ from unison.contract.ownership import Ownership
 from unison.contract.precision import DelegatedPrecision, Precision
 from unison.contract.settings import TrainerSettings
 from unison.contract.strategy import Strategy
+from unison.launch import messages
 from unison.launch.lifecycle import init_process_group
 from unison.plugin.manager import PluginManager
 
@@ -59,11 +59,9 @@ def join_world(strategy: Strategy, settings: TrainerSettings, say: Callable[[str
             # A distributed strategy on one process without a launcher: a
             # real, private world of 1 (no network rendezvous needed), never silently.
             if settings.nproc is None:
-                print(
+                messages.say(
                     f"unison: strategy {settings.strategy!r} trains in 1 process: nothing launched more. "
-                    "For N processes: Trainer(..., nproc=N), or `unison run --nproc N script.py`",
-                    file=sys.stderr,
-                    flush=True,
+                    "For N processes: Trainer(..., nproc=N), or `unison run --nproc N script.py`"
                 )
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         owns = True

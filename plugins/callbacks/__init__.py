@@ -11,6 +11,7 @@ Pass them as ``Trainer(callbacks=[...])`` or list them in a config file::
 * :class:`LearningRateMonitor` - learning rate (momentum, weight decay) per named param group.
 * :class:`Throughput` - step time, samples/s, tokens/s, peak memory (on by default: ``throughput=False`` turns it off).
 * :class:`Profiler` - a ``torch.profiler`` trace of a window of steps.
+* :class:`StragglerReport` - min/median/max step time across ranks and the slowest rank named.
 
 This module is the ``callbacks`` entry point: it adds the default
 :class:`Throughput` through ``unison_default_plugins``.
@@ -26,9 +27,18 @@ from .early_stopping import EarlyStopping
 from .lr_monitor import LearningRateMonitor
 from .model_checkpoint import ModelCheckpoint
 from .profiler import Profiler
+from .stragglers import StragglerReport
 from .throughput import Throughput, peak_rss_mib
 
-__all__ = ["EarlyStopping", "LearningRateMonitor", "ModelCheckpoint", "Profiler", "Throughput", "peak_rss_mib"]
+__all__ = [
+    "EarlyStopping",
+    "LearningRateMonitor",
+    "ModelCheckpoint",
+    "Profiler",
+    "StragglerReport",
+    "Throughput",
+    "peak_rss_mib",
+]
 
 
 @hookimpl

@@ -1,4 +1,4 @@
-"""Built-in metric loggers: JSONL, CSV, TensorBoard, MLflow, Weights & Biases.
+"""Built-in metric loggers: JSONL, CSV, TensorBoard, MLflow, Weights & Biases, Prometheus, OpenTelemetry.
 
 Each logger is a pluggy plugin (``unison_log_metrics`` plus the fit hooks); pass
 them as ``Trainer(loggers=[...])``, or enable them in a config file's
@@ -13,6 +13,10 @@ them as ``Trainer(loggers=[...])``, or enable them in a config file's
     tracking_uri = "http://127.0.0.1:5000"
     [logging.wandb]              # offline by default: version_N/wandb/
     project = "tinylm"
+    [logging.prometheus]         # every rank's metrics on :9400+LOCAL_RANK/metrics (or pushgateway = URL)
+    port = 9400
+    [logging.otel]               # every rank's metrics over OTLP/HTTP
+    endpoint = "http://127.0.0.1:4318/v1/metrics"
 
 Loggers given the same directory share one version per fit; given the
 trainer's ``root_dir``, they write into the trainer's own ``version_N`` (next
@@ -40,6 +44,8 @@ from ._run import RunDirectory, new_version, run_metadata
 from .csv_logger import CSVLogger, read_csv
 from .jsonl import JSONLLogger, read_jsonl
 from .mlflow_logger import MLflowLogger
+from .otel import OpenTelemetryLogger
+from .prometheus import PrometheusLogger
 from .tensorboard_logger import TensorBoardLogger, read_scalars
 from .wandb_logger import WandbLogger
 
@@ -47,6 +53,8 @@ __all__ = [
     "CSVLogger",
     "JSONLLogger",
     "MLflowLogger",
+    "OpenTelemetryLogger",
+    "PrometheusLogger",
     "RunDirectory",
     "TensorBoardLogger",
     "WandbLogger",
@@ -70,6 +78,10 @@ def loggers_from_config(config: Any) -> list[Any]:
     loggers: list[Any] = []
     if logging.mlflow is not None:
         loggers.append(MLflowLogger(run, **logging.mlflow.model_dump()))
+    if logging.prometheus is not None:  # every rank's own metrics; no run directory
+        loggers.append(PrometheusLogger(**logging.prometheus.model_dump()))
+    if logging.otel is not None:
+        loggers.append(OpenTelemetryLogger(**logging.otel.model_dump()))
     if not (logging.jsonl or logging.csv or logging.tensorboard or logging.wandb is not None):
         return loggers
     assert run is not None  # LoggingConfig refuses file loggers without a dir

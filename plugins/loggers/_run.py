@@ -53,6 +53,7 @@ import torch
 
 from unison.checkpointing.storage import LocalStorage, open_storage, split_url
 from unison.errors import ConfigurationError
+from unison.launch import messages
 from unison.training.runs import DEFAULT_ROOT_ENV, new_version
 
 RUN_FILE = "run.json"
@@ -198,7 +199,7 @@ class RunDirectory:
             self._uploaded = {}
             self.upload(final=True)  # claims version_N in object storage before anything is logged
             if getattr(trainer.settings, "progress", "off") != "off":  # an info line: progress="off" silences it
-                print(f"unison: run directory: {self.location}", file=sys.stderr, flush=True)
+                messages.say(f"unison: run directory: {self.location}")
         self._users += 1
         assert self.path is not None
         return self.path
