@@ -59,6 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 from unison.contract.ownership import (
     AccumulationOwner,
     GradAccumulation,
+    LossNormalisation,
     Ownership,
     StateDictDeclaration,
     StateDictKind,
@@ -355,6 +356,9 @@ class ShardedOptimizerStrategy(ReplicatedStrategy):
     @property
     def ownership(self) -> Ownership:
         return Ownership(
+            loss_normalisation=LossNormalisation(
+                over=("the data-parallel replicas: DistributedDataParallel's all-reduce averages")
+            ),
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,
                 f"DistributedDataParallel.no_sync() on non-boundary micro-steps; {self.sharding.description}",

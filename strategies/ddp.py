@@ -10,7 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from unison.contract.env import DistEnv
-from unison.contract.ownership import AccumulationOwner, GradAccumulation, Ownership, ReplicaInit
+from unison.contract.ownership import AccumulationOwner, GradAccumulation, LossNormalisation, Ownership, ReplicaInit
 from unison.contract.replicated import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
 from unison.plugin import hookimpl
 from unison.plugin.registry import StrategySpec
@@ -51,6 +51,9 @@ class DDPStrategy(ReplicatedStrategy):
     @property
     def ownership(self) -> Ownership:
         return Ownership(
+            loss_normalisation=LossNormalisation(
+                over=("the data-parallel replicas: DistributedDataParallel's all-reduce averages")
+            ),
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,
                 "DistributedDataParallel.no_sync() on non-boundary micro-steps: one all-reduce per optimizer step",

@@ -51,6 +51,7 @@ from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
     GradAccumulation,
+    LossNormalisation,
     Ownership,
     PrecisionOwner,
     PrecisionSupport,
@@ -195,6 +196,7 @@ class FairscaleSDPStrategy(ReplicatedStrategy):
     @property
     def ownership(self) -> Ownership:
         return Ownership(
+            loss_normalisation=LossNormalisation(over="the data-parallel replicas: fairscale's reduce averages"),
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,
                 "ShardedDataParallel.no_sync() on non-boundary micro-steps: gradients are reduced to their owner "
@@ -310,6 +312,7 @@ class FairscaleFSDPStrategy(Strategy):
     @property
     def ownership(self) -> Ownership:
         return Ownership(
+            loss_normalisation=LossNormalisation(over="the data-parallel replicas: fairscale's reduce averages"),
             refuses={Feature.COMPILE: FAIRSCALE_FSDP_FEATURE, Feature.ACTIVATION_CHECKPOINTING: FAIRSCALE_FSDP_FEATURE},
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,

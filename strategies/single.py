@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from unison.contract.ownership import AccumulationOwner, GradAccumulation, Ownership
+from unison.contract.ownership import AccumulationOwner, GradAccumulation, LossNormalisation, Ownership
 from unison.contract.replicated import DCP_FULL_STATE, TRAINER_PRECISION, ReplicatedStrategy
 from unison.errors import ConfigurationError
 from unison.plugin import hookimpl
@@ -21,6 +21,7 @@ class SingleStrategy(ReplicatedStrategy):
     @property
     def ownership(self) -> Ownership:
         return Ownership(
+            loss_normalisation=LossNormalisation(over="one process: nothing to reduce"),
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER, "gradients add up in param.grad; there is nothing to synchronise"
             ),

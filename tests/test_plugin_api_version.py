@@ -148,18 +148,18 @@ def test_a_signature_mismatch_names_the_method_and_both_signatures():
 
 
 def test_a_deprecated_change_warns_until_it_is_removed():
-    # A synthetic future change: API 2.3 deprecates something 2.2 plugins do, removed in 3.0.
-    future = (*MIGRATIONS, Migration("2.3", "the thing 2.2 did", "do the other thing", removed_in="3.0"))
-    assert _Current.api_version == "2.2"
+    # A synthetic future change: API 2.4 deprecates something 2.3 plugins do, removed in 3.0.
+    future = (*MIGRATIONS, Migration("2.4", "the thing 2.3 did", "do the other thing", removed_in="3.0"))
+    assert _Current.api_version == "2.3"
     with pytest.warns(
-        DeprecationWarning, match=r"the thing 2\.2 did \(deprecated since API 2\.3, removed in API 3\.0\)"
+        DeprecationWarning, match=r"the thing 2\.3 did \(deprecated since API 2\.4, removed in API 3\.0\)"
     ):
-        check_strategy_class(_Current, plugin="test", api_version="2.3", migrations=future)
+        check_strategy_class(_Current, plugin="test", api_version="2.4", migrations=future)
     with pytest.raises(unison.PluginError, match="Migrate: do the other thing"):
         check_strategy_class(_Current, plugin="test", api_version="3.0", migrations=future)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_strategy_class(_Current, plugin="test", api_version="2.2", migrations=future)
+        check_strategy_class(_Current, plugin="test", api_version="2.3", migrations=future)
 
 
 def test_setup_runs_the_hooks_in_order_and_sets_the_attributes():
@@ -201,7 +201,7 @@ def test_a_plugin_written_for_2_0_registers_unchanged_under_2_2():
         api_version = "2.0"
         ownership = _Current.ownership
 
-    assert API_VERSION == "2.2"
+    assert API_VERSION == "2.3"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_strategy_class(Written20, plugin="test")

@@ -34,6 +34,9 @@ _EXPORTS = {
     "TRAINER_PRECISION": "replicated",
     "ReplicatedStrategy": "replicated",
     "Strategy": "strategy",
+    "LossDivisor": "ownership",
+    "LossNormalisation": "ownership",
+    "Reduction": "ownership",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -84,6 +84,62 @@ class GradAccumulation:
     sync: GradSync = GradSync.BOUNDARY
 
 
+class Reduction(str, enum.Enum):
+    """How a strategy combines the replicas' gradients at the boundary."""
+
+    MEAN = "mean"  #: the average over the replicas (DDP's all-reduce, FSDP's reduce-scatter, ZeRO)
+    SUM = "sum"  #: the plain sum
+
+
+class LossDivisor(str, enum.Enum):
+    """What each micro-batch's loss is divided by before its backward, by the accumulation owner."""
+
+    #: The step's micro-batch count: the trainer's ``loss / A``, an engine's ``1 / gradient_accumulation_steps``,
+    #: a schedule's ``loss / n_microbatches``.
+    MICRO_BATCHES = "micro-batches"
+    #: Nothing: the gradients are the sum over micro-batches.
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class LossNormalisation:
+    """How backward and the gradient reduction normalise a loss (plugin API 2.3).
+
+    The trainer trains every loss form on the mean the user means: the
+    micro-batch's mean loss (a scalar) as before, and a ``(loss_sum, num_items)``
+    pair as ``sum over the global batch / num_items over the global batch``
+    (every micro-batch, every replica). For the pair it backpropagates the
+    sums as the declaration says they are divided (:attr:`divisor`) and
+    reduced (:attr:`replicas`), then multiplies the gradients once by
+    ``A**d * W**m / N`` before clipping (``A`` micro-batches, ``W``
+    data-parallel replicas, ``N`` the step's global item count; ``d``, ``m``
+    1 or 0 as declared), through :meth:`~unison.Strategy.scale_gradients`. So
+    the scale comes from this value, never from a strategy's name; a
+    declaration that misstates the reduction trains the wrong gradient scale,
+    which the conformance suite's ``token_loss`` scenario sees in the grad norm.
+    """
+
+    #: What each micro-batch's loss is divided by before its backward.
+    divisor: LossDivisor = LossDivisor.MICRO_BATCHES
+    #: How the replicas' gradients are combined.
+    replicas: Reduction = Reduction.MEAN
+    #: Over which ranks, in words (mesh dimensions for a composed strategy).
+    over: str = "the data-parallel replicas"
+    #: Where the gradients of the pair form are scaled (``scale_gradients``), in words.
+    scaled_by: str = "scale_gradients multiplies every local gradient (or shard) in place"
+
+    def gradient_factor_numerator(self, micro_batches: int, replicas: int) -> int:
+        """``A**d * W**m``: undoes what backward and the reduction divided by, before dividing by ``N``."""
+        return (micro_batches if self.divisor is LossDivisor.MICRO_BATCHES else 1) * (
+            replicas if self.replicas is Reduction.MEAN else 1
+        )
+
+
+#: What a strategy on the trainer's accumulation path normalises by when it declares nothing: the contract of
+#: API 2.2 and before (``backward(loss / A)``, gradients averaged over the replicas).
+DEFAULT_LOSS_NORMALISATION = LossNormalisation()
+
+
 @dataclass(frozen=True)
 class PrecisionSupport:
     owner: PrecisionOwner
@@ -162,6 +218,9 @@ class Feature(str, enum.Enum):
     #: ``activation_checkpointing`` set: the forward of the model's blocks
     #: recomputed in backward instead of keeping its activations.
     ACTIVATION_CHECKPOINTING = "activation_checkpointing"
+    #: A ``loss_fn`` or ``training_step`` returning ``(loss_sum, num_items)`` (token-weighted losses), or the
+    #: Hugging Face path: the step normalised by its global item count (API 2.3).
+    ITEM_WEIGHTED_LOSS = "item_weighted_loss"
 
     @property
     def description(self) -> str:
@@ -185,6 +244,9 @@ _FEATURE_DESCRIPTIONS = {
     Feature.ANY_OPTIMIZER: "any optimizer class from the optimizer factory",
     Feature.COMPILE: "torch.compile of the model (compile)",
     Feature.ACTIVATION_CHECKPOINTING: "activation checkpointing of the model's blocks (activation_checkpointing)",
+    Feature.ITEM_WEIGHTED_LOSS: (
+        "losses returned as (loss_sum, num_items), normalised by the step's global item count (token-weighted)"
+    ),
 }
 
 
@@ -234,6 +296,11 @@ class Ownership:
     #: The named device-mesh dimensions of a composed strategy (HSDP, FSDP x TP), each with its size
     #: and collectives (:mod:`unison.contract.mesh`); ``None``: a flat world, nothing to declare.
     mesh: MeshLayout | None = None
+    #: How backward and the gradient reduction normalise a loss (API 2.3). ``None`` (a strategy written before
+    #: 2.3): :data:`DEFAULT_LOSS_NORMALISATION` on the trainer's accumulation path, whose contract it is; an
+    #: engine or a schedule that declares nothing refuses :attr:`Feature.ITEM_WEIGHTED_LOSS` (the trainer
+    #: cannot know where such an engine keeps its gradients, or whether a schedule passes a pair through).
+    loss_normalisation: LossNormalisation | None = None
 
     def __post_init__(self) -> None:
         missing = [p for p in STANDARD_PRECISIONS if p not in self.precision]
@@ -241,7 +308,19 @@ class Ownership:
             raise ValueError(f"Ownership.precision must declare every standard precision; missing {missing}")
         # Freeze the mappings too: a declaration never changes after construction.
         object.__setattr__(self, "precision", MappingProxyType(dict(self.precision)))
-        object.__setattr__(self, "refuses", MappingProxyType({Feature(k): str(v) for k, v in self.refuses.items()}))
+        refuses = {Feature(k): str(v) for k, v in self.refuses.items()}
+        if self.loss_normalisation is None and self.grad_accumulation.owner is not AccumulationOwner.TRAINER:
+            refuses.setdefault(
+                Feature.ITEM_WEIGHTED_LOSS,
+                f"this {self.grad_accumulation.owner.value}-owned strategy declares no loss_normalisation (plugin "
+                "API 2.3): the trainer cannot know how its engine or schedule divides and reduces a summed loss",
+            )
+        object.__setattr__(self, "refuses", MappingProxyType(refuses))
+
+    @property
+    def normalisation(self) -> LossNormalisation:
+        """The declared :class:`LossNormalisation`, or the trainer path's default when none is declared."""
+        return self.loss_normalisation or DEFAULT_LOSS_NORMALISATION
 
     def refusal(self, feature: Feature | str) -> str | None:
         """The declared reason this strategy refuses ``feature``, or ``None`` when it supports it."""
@@ -274,6 +353,7 @@ class Ownership:
             "refuses": {k.value: v for k, v in self.refuses.items()},
             "world_sizes": asdict(self.world_sizes),
             "mesh": None if self.mesh is None else self.mesh.to_dict(),
+            "loss_normalisation": dict(plain(asdict(self.normalisation)), declared=self.loss_normalisation is not None),
             "non_conformant": self.non_conformant,
             "notes": list(self.notes),
         }

@@ -26,8 +26,9 @@ values, and a :class:`Strategy` subclass. Read this module in order:
    ``schedule``                  ``forward_backward(micro_batches, ...)``      :class:`ScheduleAccumulation`
    ============================  ==========================================  =========================
 
-   then, for every owner: ``clip_grad_norm`` (global norm) -> ``optimizer_step``
-   -> ``zero_grad``.
+   then, for every owner: ``scale_gradients`` (only for ``(loss_sum, num_items)``
+   losses, by the factor the declared :class:`LossNormalisation` gives) ->
+   ``clip_grad_norm`` (global norm) -> ``optimizer_step`` -> ``zero_grad``.
 3. **Set up** (:meth:`Strategy.setup`, a template method): called once per
    ``fit`` on every rank, after the process group exists, the seed was set and
    replicas were made equal (when the trainer owns that). It binds the env and
@@ -65,9 +66,12 @@ from unison.contract.ownership import (
     Feature,
     GradAccumulation,
     GradSync,
+    LossDivisor,
+    LossNormalisation,
     Ownership,
     PrecisionOwner,
     PrecisionSupport,
+    Reduction,
     ReplicaInit,
     StateDictDeclaration,
     StateDictKind,
@@ -131,7 +135,11 @@ class ScheduleAccumulation(Protocol):
         """Run forward and backward over all ``(inputs, targets)`` micro-batches; return each one's loss.
 
         Gradients must end up as the mean over micro-batches; losses are
-        undivided and returned on every rank.
+        undivided and returned on every rank. A strategy that declares
+        ``Ownership.loss_normalisation`` (API 2.3) also takes a ``loss_fn``
+        returning ``(loss_sum, num_items)``: it backpropagates ``loss_sum`` as
+        it would a mean loss and returns each micro-batch's pair
+        ``(loss_sum, num_items)`` (0-dim tensors) on every rank.
         """
         ...
 
@@ -210,15 +218,25 @@ class Strategy(abc.ABC):
     #: for the hooks a strategy asks about the user's model: ``unison_tensor_parallel_plan`` (API 2.2).
     plugins: PluginManager | None = None
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A setup override written for API 2.0 never runs apply_features (2.1): its declaration refuses
+        # compile and activation checkpointing, with the reason (unison.contract.compat).
+        from unison.contract.compat import declare_features_out
+
+        declare_features_out(cls)
+
     def __init__(self) -> None:
-        #: Bound by the trainer before :meth:`setup` (``None`` until then).
+        #: This rank's place in the world: bound by the trainer before it calls :meth:`setup` (and by the
+        #: template from its ``env=``), so an overriding ``setup`` finds it bound; ``None`` until then.
         self.env: DistEnv | None = None
         #: The user's module, unwrapped (canonical names come from it).
         self.module: torch.nn.Module | None = None
         #: What the trainer calls in forward (a DDP/FSDP/engine wrapper).
         self.model: Any = None
         self.optimizer: torch.optim.Optimizer | None = None
-        #: Bound by :meth:`setup` for the hooks (``None`` until then).
+        #: Bound like :attr:`env`: by the trainer before it calls :meth:`setup`, and by the template from its
+        #: arguments (``None`` until then).
         self.precision: Precision | None = None
         self.settings: TrainerSettings | None = None
 
@@ -285,12 +303,21 @@ class Strategy(abc.ABC):
 
         Called once per ``fit`` on every rank, after the process group exists.
         ``env`` is this rank's place in the world (``None`` keeps the
-        :attr:`env` the trainer bound before the call). ``precision`` is the one
+        :attr:`env` bound before the call). ``precision`` is the one
         way precision reaches a strategy: ``precision.name`` and
         ``precision.support`` (the declared :class:`PrecisionSupport`); when the
         trainer applies it, ``precision.convert_module`` has already run.
         Binds :attr:`env`, :attr:`precision` and :attr:`settings` for the hooks,
         then sets :attr:`module`, :attr:`model` and :attr:`optimizer`.
+
+        The trainer binds :attr:`env`, :attr:`precision` and :attr:`settings` on
+        the strategy before it calls this (and passes them too), so an override
+        (an engine that wraps and builds the optimizer in one call) finds them
+        bound whether or not it binds them itself. An override runs no
+        :meth:`apply_features`: one written for API 2.0 has its declaration
+        refuse ``compile`` and ``activation_checkpointing`` with the reason
+        (:mod:`unison.contract.compat`); from 2.1 on, an override applies them
+        or declares them refused.
         """
         if env is not None:
             self.env = env
@@ -351,6 +378,27 @@ class Strategy(abc.ABC):
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def scale_gradients(self, factor: torch.Tensor) -> None:
+        """Multiply this rank's gradients by ``factor`` (a 0-dim tensor on :attr:`env`'s device), in place.
+
+        Called once per optimizer step, after the last backward and before
+        ``clip_grad_norm``, only for a loss in the ``(loss_sum, num_items)``
+        form: ``factor`` turns the summed gradients into the mean over the
+        step's global item count (:class:`~unison.contract.ownership.LossNormalisation`).
+        The default scales ``.grad`` of :attr:`module`'s parameters (a DTensor's
+        local shard), which is where every wrapper on the trainer's path keeps
+        them; an engine keeping gradients elsewhere overrides it (API 2.3). The
+        factor stays on the device: no host synchronisation.
+        """
+        assert self.module is not None
+        grads: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in self.module.parameters():
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                grads.setdefault(grad.dtype, []).append(grad)
+        for dtype, tensors in grads.items():
+            torch._foreach_mul_(tensors, factor.to(device=tensors[0].device, dtype=dtype))
 
     @abc.abstractmethod
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
@@ -460,11 +508,14 @@ __all__ = [
     "Feature",
     "GradAccumulation",
     "GradSync",
+    "LossDivisor",
     "LossFn",
+    "LossNormalisation",
     "OptimizerFactory",
     "Ownership",
     "PrecisionOwner",
     "PrecisionSupport",
+    "Reduction",
     "ReplicaInit",
     "ScheduleAccumulation",
     "StateDictDeclaration",

@@ -40,7 +40,12 @@ from unison.errors import PluginError
 #: and ``Strategy.plugins`` (the run's plugin manager, for the hooks a strategy asks about the model);
 #: ``tensor_parallel_plan`` moved to :mod:`unison.contract.tensor_parallel` (still importable from
 #: :mod:`unison.contract.strategy`).
-API_VERSION = "2.2"
+#: 2.3 (additive, no migration): ``Ownership.loss_normalisation``
+#: (:class:`~unison.contract.ownership.LossNormalisation`: how backward and the gradient reduction divide),
+#: ``Strategy.scale_gradients``, and the
+#: ``item_weighted_loss`` feature (``(loss_sum, num_items)`` losses); a 2.2 strategy on the trainer's
+#: accumulation path takes that form unchanged, an engine or schedule that declares nothing refuses it.
+API_VERSION = "2.3"
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,7 @@ CONTRACT_METHODS = (
     "forward",
     "to_device",
     "backward",
+    "scale_gradients",
     "clip_grad_norm",
     "optimizer_step",
     "zero_grad",

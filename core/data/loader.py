@@ -128,6 +128,9 @@ class TrainData:
         # The identity takes the keyword arguments a strategy's to_device does (non_blocking).
         self.to_device: Callable[..., Any] = to_device or (lambda batch, **_: batch)
         self.token_counter = token_counter or count_tokens
+        #: Whether tokens are counted by the documented rule (no ``count_tokens`` given): a loss that reports its
+        #: items then supplies the step's token count instead (the number it is normalised by).
+        self.counts_tokens_by_default = token_counter is None
         self._iterator: Any = None
 
     # -- sizes ------------------------------------------------------------------ #

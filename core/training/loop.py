@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unison.contract.ownership import AccumulationOwner, GradSync
+from unison.contract.ownership import AccumulationOwner, Feature, GradSync
 from unison.errors import ConfigurationError
+from unison.training.losses import LossValue, loss_value
 from unison.training.nonfinite import NonFiniteCheck
 from unison.training.outputs import NonFiniteError, StepOutput
 from unison.training.stopping import StopAgreement
@@ -124,23 +125,40 @@ class TrainLoop:
         assert precision is not None and trainer.env is not None
         step = batch.step
         hook.unison_on_train_step_start(trainer=trainer, step=step)
-        losses = self.forward_backward(batch.micro_batches)
+        values = self.forward_backward(batch.micro_batches)
         self.watchdog.mark(step, "optimizer_step")
         hook.unison_on_after_backward(trainer=trainer, step=step)
 
-        # Every micro-batch's loss and the step's tokens, summed over replicas in one collective.
-        local = torch.stack([loss.detach().float().reshape(()) for loss in losses])
-        tokens = None
-        if batch.tokens is not None:
+        # Every micro-batch's loss (and item count, for pairs) and the step's tokens, summed over replicas in
+        # one collective.
+        n = len(values)
+        pairs = values[0].items is not None
+        parts = [torch.stack([v.loss.detach().float().reshape(()) for v in values])]
+        if pairs:
+            parts.append(torch.stack([v.items for v in values]).to(parts[0].device))  # type: ignore[misc]
+        # With a pair, the tokens of the default rule are the step's items (tokens/s from the normalising count).
+        count_tokens = batch.tokens is not None and not (pairs and trainer.data.counts_tokens_by_default)
+        if count_tokens:
             # torch.full: the count is a kernel argument, not a host-to-device copy (which would synchronise).
-            local = torch.cat([local, torch.full((1,), float(batch.tokens), device=local.device)])
-        reduced = strategy.reduce_sum(local)
+            parts.append(torch.full((1,), float(batch.tokens), device=parts[0].device))
+        reduced = strategy.reduce_sum(torch.cat(parts))
         replicas = strategy.data_parallel_size(trainer.env.world_size)
-        micro = reduced[: len(losses)] / replicas
-        if batch.tokens is not None:
-            tokens = reduced[len(losses)]
-
+        items = tokens = None
         precision.unscale_gradients(strategy.optimizer)
+        if pairs:
+            # sum over the global batch / items over the global batch: the gradients were summed as the declaration
+            # says backward divides and the replicas reduce; one factor turns them into that mean.
+            items = reduced[n : 2 * n]
+            total = items.sum()
+            micro = reduced[:n] / items.clamp(min=1)
+            numerator = trainer.ownership.normalisation.gradient_factor_numerator(n, replicas)
+            strategy.scale_gradients(numerator / total.clamp(min=1))
+            tokens = None if count_tokens else total
+        else:
+            micro = reduced[:n] / replicas
+        if count_tokens:
+            tokens = reduced[-1]
+
         grad_norm = strategy.clip_grad_norm(s.grad_clip_norm).detach()
         lrs = [float(g["lr"]) for g in strategy.optimizer.param_groups]  # type: ignore[union-attr]
         finite = True
@@ -152,7 +170,7 @@ class TrainLoop:
             # No read now: the previous step's flag is read (naming its step) while this step's work is queued.
             self.nonfinite.resolve()
             finite_now = torch.isfinite(grad_norm) & torch.isfinite(micro).all()
-            self.nonfinite.record(step, finite_now, local[: len(losses)], grad_norm)
+            self.nonfinite.record(step, finite_now, parts[0], grad_norm)
         hook.unison_on_before_optimizer_step(trainer=trainer, step=step, grad_norm=grad_norm)
         if finite or precision.skips_overflow:
             skipped = precision.step(strategy.optimizer_step, strategy.optimizer, finite)
@@ -167,7 +185,7 @@ class TrainLoop:
                 "gradients: fp16 overflow or NaN/inf losses); training is not progressing. Fix: check the data and "
                 "the loss for NaN/inf, lower the learning rate, or use bf16-mixed; max_consecutive_skips sets the limit"
             )
-        return StepOutput(step, micro, grad_norm, lrs, skipped, s.global_batch_size, tokens)
+        return StepOutput(step, micro, grad_norm, lrs, skipped, s.global_batch_size, tokens, items=items)
 
     def _count(self, skipped: bool) -> None:
         """The progress counters after an optimizer step; the scheduler steps only with the optimizer."""
@@ -183,14 +201,16 @@ class TrainLoop:
             progress.skipped_steps += 1
             self.consecutive_skips += 1
 
-    def forward_backward(self, micro_batches: Sequence[Any]) -> list[torch.Tensor]:
+    def forward_backward(self, micro_batches: Sequence[Any]) -> list[LossValue]:
         """Forward and backward over one step's micro-batches, fed as the strategy's accumulation declares.
 
         The one place the declaration is read: a schedule (pipeline) takes
         them all at once; trainer-owned accumulation divides each loss by the
         micro-batch count and, with boundary sync, skips gradient sync until
         the last micro-step; an engine scales by its own count and its
-        boundary must agree with the trainer's.
+        boundary must agree with the trainer's. A ``(loss_sum, num_items)``
+        pair is backpropagated the same way (its sum), and scaled once after
+        the last micro-step (:meth:`train_step`).
         """
         trainer = self.trainer
         accumulation = trainer.ownership.grad_accumulation
@@ -198,17 +218,22 @@ class TrainLoop:
         assert precision is not None
         if accumulation.owner is AccumulationOwner.SCHEDULE:
             pairs = [tuple(b) for b in micro_batches]
-            return strategy.forward_backward(pairs, trainer.loss_fn, precision)  # type: ignore[attr-defined]
+            loss_fn = trainer.loss_fn
+            if trainer.ownership.refusal(Feature.ITEM_WEIGHTED_LOSS) is not None:
+                loss_fn = _RefusePairs(loss_fn, self._refuse_pairs)  # the schedule could not pass a pair through
+            out = strategy.forward_backward(pairs, loss_fn, precision)  # type: ignore[attr-defined]
+            return self._checked([loss_value(v, "loss_fn") for v in out])
         n = len(micro_batches)
         defer = accumulation.owner is AccumulationOwner.TRAINER and accumulation.sync is GradSync.BOUNDARY
-        losses = []
+        values = []
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
             # Trainer-owned, boundary sync: skip gradient sync until the last micro-step.
             sync = strategy.no_sync() if defer and not last else contextlib.nullcontext()  # type: ignore[attr-defined]
             with sync:
                 with precision.forward_context():
-                    loss = self.loss(batch)
+                    value = self.loss(batch)
+                loss = value.loss
                 if accumulation.owner is AccumulationOwner.TRAINER:
                     # The one place the loss is divided for accumulation.
                     strategy.backward(precision.scale_loss(loss / n))
@@ -220,26 +245,58 @@ class TrainLoop:
                             f"strategy {strategy.name!r} owns accumulation but its boundary disagrees with the "
                             f"trainer's at micro-step {i + 1}/{n}: check its accumulation settings"
                         )
-            losses.append(loss)
-        return losses
+            values.append(value)
+        return self._checked(values)
 
-    def loss(self, batch: Any) -> torch.Tensor:
-        """One micro-batch's mean loss in the fit's form, checked to be a scalar tensor."""
+    def loss(self, batch: Any) -> LossValue:
+        """One micro-batch's loss in the fit's form: a mean (0-dim tensor) or a ``(loss_sum, num_items)`` pair."""
         trainer = self.trainer
         precision = trainer.precision
         assert precision is not None
         if trainer.training_step is not None:
-            loss = trainer.training_step(trainer.strategy.model, precision.convert_input(batch))
+            value = trainer.training_step(trainer.strategy.model, precision.convert_input(batch))
             name = "training_step"
         else:
             inputs, targets = batch
-            loss = trainer.loss_fn(trainer.strategy.forward(precision.convert_input(inputs)), targets)  # type: ignore[misc]
+            value = trainer.loss_fn(trainer.strategy.forward(precision.convert_input(inputs)), targets)  # type: ignore[misc]
             name = "loss_fn"
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ConfigurationError(
-                name,
-                f"{name} returned {got}; the trainer needs the micro-batch's mean loss as a scalar tensor",
-                "return a 0-dim tensor that requires grad (e.g. reduce with .mean(); do not call .item())",
-            )
+        loss = loss_value(value, name)
+        if loss.items is not None:
+            self._refuse_pairs()
         return loss
+
+    def _refuse_pairs(self) -> None:
+        """A pair for a strategy that refuses them: the same error on every rank, at the first micro-step."""
+        trainer = self.trainer
+        reason = trainer.ownership.refusal(Feature.ITEM_WEIGHTED_LOSS)
+        if reason is not None:
+            raise ConfigurationError(
+                "loss_fn/training_step",
+                f"strategy {trainer.strategy.name!r} refuses {Feature.ITEM_WEIGHTED_LOSS.description}: {reason}",
+                "return the micro-batch's mean loss, or use a strategy that takes (loss_sum, num_items) "
+                "(unison describe NAME shows its loss normalisation)",
+            )
+
+    @staticmethod
+    def _checked(values: list[LossValue]) -> list[LossValue]:
+        """Every micro-batch of a step in one form: a mix would weigh means and sums against each other."""
+        if len({v.items is None for v in values}) > 1:
+            raise ConfigurationError(
+                "loss_fn/training_step",
+                "some micro-batches returned a mean loss and others a (loss_sum, num_items) pair",
+                "return the same form for every batch",
+            )
+        return values
+
+
+class _RefusePairs:
+    """A ``loss_fn`` for a schedule that declares no pairs: a pair from the user's function is refused by name."""
+
+    def __init__(self, loss_fn: Any, refuse: Any) -> None:
+        self.loss_fn, self.refuse = loss_fn, refuse
+
+    def __call__(self, outputs: Any, targets: Any) -> Any:
+        value = self.loss_fn(outputs, targets)
+        if isinstance(value, (tuple, list)):
+            self.refuse()
+        return value

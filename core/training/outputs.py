@@ -48,10 +48,15 @@ class StepOutput:
         skipped: bool,
         samples: int,
         tokens: torch.Tensor | None,
+        items: torch.Tensor | None = None,
     ) -> None:
         self.step = step
-        #: Every micro-batch's loss, averaged over data-parallel replicas (device tensor).
+        #: Every micro-batch's loss over the data-parallel replicas (device tensor): the mean of the replicas'
+        #: means, or for a ``(loss_sum, num_items)`` loss the micro-batch's summed loss over its items.
         self.micro_loss_tensor = micro_losses
+        #: For a ``(loss_sum, num_items)`` loss: every micro-batch's item count over the replicas (device
+        #: tensor); ``None`` for a mean loss.
+        self.items_tensor = items
         #: The global pre-clip L2 grad norm (0-dim device tensor).
         self.grad_norm_tensor = grad_norm
         #: Every parameter group's learning rate used by this step.
@@ -65,8 +70,10 @@ class StepOutput:
 
     @property
     def loss_tensor(self) -> torch.Tensor:
-        """The global-batch mean loss (0-dim device tensor)."""
-        return self.micro_loss_tensor.mean()
+        """The global batch's loss (0-dim device tensor): the mean over micro-batches, or the sum over items."""
+        if self.items_tensor is None:
+            return self.micro_loss_tensor.mean()
+        return (self.micro_loss_tensor * self.items_tensor).sum() / self.items_tensor.sum().clamp(min=1)
 
     @property
     def micro_losses(self) -> list[float]:
@@ -76,8 +83,22 @@ class StepOutput:
 
     @property
     def loss(self) -> float:
+        """The global batch's loss: what the step trained on (for a pair, its summed loss over its items)."""
         micro = self.micro_losses
-        return sum(micro) / len(micro)
+        if self.items_tensor is None:
+            return sum(micro) / len(micro)
+        if "loss" not in self._cache:
+            self._cache["loss"] = float(self.loss_tensor)
+        return self._cache["loss"]
+
+    @property
+    def num_items(self) -> int | None:
+        """For a ``(loss_sum, num_items)`` loss, the global batch's item count the step was normalised by."""
+        if self.items_tensor is None:
+            return None
+        if "items" not in self._cache:
+            self._cache["items"] = int(self.items_tensor.sum())
+        return self._cache["items"]
 
     @property
     def grad_norm(self) -> float:
@@ -94,7 +115,7 @@ class StepOutput:
             self._cache["tokens"] = int(self._tokens)
         return self._cache["tokens"]
 
-    _KEYS = ("step", "loss", "micro_losses", "grad_norm", "lr", "lrs", "skipped", "samples", "tokens")
+    _KEYS = ("step", "loss", "micro_losses", "grad_norm", "lr", "lrs", "skipped", "samples", "tokens", "num_items")
 
     def __getitem__(self, key: str) -> Any:
         if key == "lr":

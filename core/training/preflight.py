@@ -33,6 +33,7 @@ from unison.launch.lifecycle import collective_timeout_s
 from unison.launch.watchdog import check_stall_timeout
 from unison.plugin.manager import PluginManager
 from unison.training import runs
+from unison.training.losses import check_huggingface_path, huggingface_training_step
 from unison.training.validation import ValidationSource, resolve_validation
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
 
 OptimizerArg = Callable[[Any], torch.optim.Optimizer]
 SchedulerArg = Callable[[torch.optim.Optimizer], Any]
-TrainingStep = Callable[[Any, Any], torch.Tensor]
+TrainingStep = Callable[[Any, Any], Any]  # the mean loss, or (loss_sum, num_items)
 
 __all__ = [
     "FitInputs",
@@ -248,11 +249,19 @@ class FitInputs:
     data: TrainData
     validation: ValidationSource | None
     resume: ResumeRequest
+    #: The fit's ``training_step``: the user's, the Hugging Face path's when neither form was given, or ``None``.
+    training_step: TrainingStep | None = None
 
 
 def check_form(strategy: Strategy, loss_fn: LossFn | None, training_step: TrainingStep | None) -> None:
-    """Exactly one of the two batch forms, callable as the trainer calls it, and taken by the strategy."""
-    if (loss_fn is None) == (training_step is None):
+    """Exactly one of the two batch forms, callable as the trainer calls it, and taken by the strategy.
+
+    Neither is the Hugging Face path (the model's own loss), checked by :func:`huggingface_form` once the
+    model and the first batch exist.
+    """
+    if loss_fn is None and training_step is None:
+        return
+    if loss_fn is not None and training_step is not None:
         raise ConfigurationError(
             "loss_fn/training_step",
             "pass exactly one of loss_fn and training_step",
@@ -373,8 +382,29 @@ def prepare_fit(
         data_parallel_rank=strategy.data_parallel_rank(rank, world_size),
         token_counter=count_tokens,
     )
-    check_first_batch(data.first_micro_batch(), loss_fn is not None)
+    first = data.first_micro_batch()
+    check_first_batch(first, loss_fn is not None)
+    if loss_fn is None and training_step is None:
+        training_step = huggingface_form(strategy, built, first)
     validation = resolve_validation(val_dataset, collate_fn, s) if val_dataset is not None else None
     prepare_checkpoints(trainer, resume, world_size)
     check_stall_timeout(s.stall_timeout_s, collective_timeout_s())
-    return FitInputs(built, data, validation, resume)
+    return FitInputs(built, data, validation, resume, training_step)
+
+
+def huggingface_form(strategy: Strategy, model: torch.nn.Module, first_batch: Any) -> TrainingStep:
+    """Neither ``loss_fn`` nor ``training_step``: the model's own loss over the step's global label count.
+
+    Refused before any process group when the batch holds no ``labels`` or the
+    model's forward takes none, and when the strategy refuses the
+    ``training_step`` form or item-weighted losses.
+    """
+    check_huggingface_path(model, first_batch)
+    refuse(strategy, Feature.TRAINING_STEP, "training_step", "pass loss_fn=... with (inputs, targets) batches")
+    refuse(
+        strategy,
+        Feature.ITEM_WEIGHTED_LOSS,
+        "loss_fn/training_step",
+        "pass training_step=lambda model, batch: model(**batch).loss (each micro-batch's own token mean)",
+    )
+    return huggingface_training_step

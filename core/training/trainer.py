@@ -311,13 +311,20 @@ class Trainer:
                 used; the trainer does the sampling). See :mod:`unison.data.loader`.
             loss_fn: the ``(inputs, targets)`` form: each batch is a pair and
                 ``loss_fn(model(inputs), targets)`` returns the micro-batch's
-                mean loss (a scalar tensor).
+                mean loss (a scalar tensor), or the pair ``(loss_sum,
+                num_items)``: then the step trains on the global batch's sum over
+                its global item count, whatever the world size or accumulation
+                split (token-weighted losses; :mod:`unison.training.losses`).
             training_step: the form for batches of any structure:
                 ``training_step(model, batch)`` returns the micro-batch's mean
-                loss, e.g. ``lambda model, batch: model(**batch).loss``.
-                ``model`` is the strategy's forward callable (a DDP/FSDP/engine
-                wrapper; ``trainer.model`` is the unwrapped module). Exactly one
-                of ``loss_fn`` and ``training_step``; validation uses the same.
+                loss, e.g. ``lambda model, batch: model(**batch).loss``, or the
+                pair as above. ``model`` is the strategy's forward callable (a
+                DDP/FSDP/engine wrapper; ``trainer.model`` is the unwrapped
+                module). At most one of ``loss_fn`` and ``training_step``;
+                validation uses the same. Neither: dict batches holding
+                ``labels`` train the model's own loss (a Hugging Face model)
+                normalised by the step's global count of labels ``!= -100``, with
+                ``num_items_in_batch`` passed where the forward accepts it.
             optimizer: ``params -> Optimizer`` (called with the parameters the
                 strategy trains, or parameter groups).
             lr_scheduler: ``optimizer -> LRScheduler``; stepped once per
@@ -379,7 +386,7 @@ class Trainer:
             rank=rank,
             world_size=world_size,
         )
-        self.loss_fn, self.training_step, self.data = loss_fn, training_step, inputs.data
+        self.loss_fn, self.training_step, self.data = loss_fn, inputs.training_step, inputs.data
         self._final_state = None
         self.should_stop = False
         # From here on nothing is refused as bad input: failures are errors.
@@ -431,6 +438,9 @@ class Trainer:
         self.precision = precision = build_precision(self.ownership, s, self.pm, strategy, env.device)
         module = precision.convert_module(model)
         self._say(f"the model under strategy {s.strategy!r} ({type(model).__name__}, device {env.device})")
+        # Bound before the call, not only by the template: a strategy that overrides setup as the 2.0
+        # migration says (adding env=None) never binds them, and its hooks (to_device) need them.
+        strategy.env, strategy.precision, strategy.settings = env, precision, s
         strategy.setup(
             module, lambda params: checked_optimizer(optimizer, params), env=env, precision=precision, settings=s
         )

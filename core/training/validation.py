@@ -6,7 +6,8 @@ The :class:`Validator` owns its policy, so the training loop only asks it:
 after the last step (always, unless that step just validated). Both need a
 ``val_dataset``. :meth:`Validator.validate` computes the mean loss over every
 validation sample once, weighted by samples and reduced over data-parallel
-replicas, so every rank and every backend reports the same number.
+replicas, so every rank and every backend reports the same number; a
+``(loss_sum, num_items)`` loss is the global sum over the global item count.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from unison.contract.settings import TrainerSettings
 from unison.data.sources import is_map_style, resolve_source
 from unison.data.validation import validation_stream
 from unison.errors import ConfigurationError
+from unison.training.losses import loss_value
 
 if TYPE_CHECKING:
     from unison.training.metrics import MetricsLog
@@ -101,18 +103,24 @@ class Validator:
             batch = strategy.to_device(batch)
             with precision.forward_context():
                 if trainer.training_step is not None:
-                    loss = trainer.training_step(strategy.model, precision.convert_input(batch))
+                    value = loss_value(
+                        trainer.training_step(strategy.model, precision.convert_input(batch)), "training_step"
+                    )
                 else:
                     inputs, targets = batch
                     assert trainer.loss_fn is not None  # checked before the fit: one batch form or the other
-                    loss = strategy.eval_loss(precision.convert_input(inputs), targets, trainer.loss_fn)
-            total += torch.stack(
-                [loss.detach().double() * weight, torch.tensor(float(weight), dtype=torch.float64, device=total.device)]
-            )
+                    value = loss_value(
+                        strategy.eval_loss(precision.convert_input(inputs), targets, trainer.loss_fn), "loss_fn"
+                    )
+            if value.items is None:  # a mean over the batch's real samples: weighted by them
+                part = [value.loss.detach().double() * weight, torch.full((), float(weight), device=total.device)]
+            else:  # a sum over items: the global sum over the global items (a stand-in batch counts nothing)
+                part = [value.loss.detach().double() * (weight > 0), value.items.to(total.device) * (weight > 0)]
+            total += torch.stack([t.to(device=total.device, dtype=torch.float64) for t in part])
             trainer.pm.unison_validation_progress(trainer=trainer, step=step, batch_idx=i, num_batches=num_batches)
         model.train(was_training)
         total = strategy.reduce_sum(total)
-        metrics = {"val/loss": float(total[0] / total[1])}
+        metrics = {"val/loss": float(total[0] / total[1].clamp(min=1))}
         trainer.last_validation = metrics
         trainer.pm.unison_on_validation_end(trainer=trainer, step=step, metrics=metrics)
         self._metrics.emit(metrics)

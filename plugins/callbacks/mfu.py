@@ -67,8 +67,12 @@ def measured_peak_flops(dtype: torch.dtype = torch.float32, n: int = 1024, trial
     if key not in _MEASURED:
         # Outside any dispatch mode: a FLOP counter active around the step (the conformance suite's, a
         # user's) must neither count the measurement nor slow it down.
+        # Its own generator: a plugin never draws from the global one, whose state is training's (dropout
+        # masks, shuffles), so the defaults on or off and a resume in a new process train alike.
+        generator = torch.Generator().manual_seed(0)
         with outside_dispatch_modes():
-            a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+            a = torch.randn(n, n, dtype=dtype, generator=generator)
+            b = torch.randn(n, n, dtype=dtype, generator=generator)
             torch.mm(a, b)  # warm up
             fastest = float("inf")
             for _ in range(trials):

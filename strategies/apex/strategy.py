@@ -13,6 +13,7 @@ from unison.contract.ownership import (
     Feature,
     GradAccumulation,
     GradSync,
+    LossNormalisation,
     Ownership,
     ReplicaInit,
     WorldSizes,
@@ -74,6 +75,13 @@ class DistributedFusedAdamStrategy(Strategy):
             )
         )
         return Ownership(
+            loss_normalisation=LossNormalisation(
+                over="the distributed group: reduce-scatter with ReduceOp.AVG",
+                scaled_by=(
+                    "DistributedFusedAdam.unscale_grads(inv_scale=factor) folds the factor into the next step "
+                    "(gradients live in its buckets)"
+                ),
+            ),
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,
                 "DistributedFusedAdam.no_sync() on non-boundary micro-steps (gradients add up in param.grad); on the "
@@ -179,6 +187,12 @@ class DistributedFusedAdamStrategy(Strategy):
     def no_sync(self) -> AbstractContextManager[Any]:
         assert self.optimizer is not None
         return self.optimizer.no_sync()  # DistributedFusedAdam's own
+
+    def scale_gradients(self, factor: torch.Tensor) -> None:
+        # The reduced gradients live in the optimizer's buckets; it folds the factor into the next step, and
+        # grad_norm()/clip_grad_norm() report the scaled norm.
+        optimizer: Any = self.optimizer
+        optimizer.unscale_grads(inv_scale=factor)
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         optimizer: Any = self.optimizer

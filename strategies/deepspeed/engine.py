@@ -51,6 +51,7 @@ from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
     GradAccumulation,
+    LossNormalisation,
     Ownership,
     PrecisionOwner,
     PrecisionSupport,
@@ -122,6 +123,16 @@ class DeepSpeedStrategy(Strategy):
             else PrecisionSupport.unsupported(FP16_ON_CPU)
         )
         return Ownership(
+            loss_normalisation=LossNormalisation(
+                over=(
+                    "the data-parallel ranks: ZeRO's reduce averages "
+                    "(engine.backward divides by gradient_accumulation_steps)"
+                ),
+                scaled_by=(
+                    "scale_gradients multiplies this rank's piece of the reduced gradients in the engine's buffers, "
+                    "before the boundary engine.step() clips and updates"
+                ),
+            ),
             refuses={
                 Feature.COMPILE: DEEPSPEED_FEATURE.format("torch.compile", "its engine.compile()"),
                 Feature.ACTIVATION_CHECKPOINTING: DEEPSPEED_FEATURE.format(
@@ -313,6 +324,28 @@ class DeepSpeedStrategy(Strategy):
             norm = norm / float(self.engine.optimizer.loss_scale)
         # Stays on the device: a copy to the host here would synchronise every step.
         return norm.float()
+
+    def scale_gradients(self, factor: torch.Tensor) -> None:
+        """Scale this rank's piece of the reduced gradients in place, where the boundary ``engine.step()`` reads them.
+
+        Each piece (``_upstream.deepspeed.local_grad_piece``) is a view into
+        the engine's own buffers: ``param.grad`` under ZeRO-1, the reduced
+        partition under ZeRO-2 and ZeRO-3; DeepSpeed's clipping and update then
+        see the scaled gradients. Every piece is visited once (a tied weight's
+        is shared).
+        """
+        assert self.module is not None
+        seen: set[tuple[int, int]] = set()
+        for param in self.module.parameters():
+            if not param.requires_grad:
+                continue
+            piece, _ = ds.local_grad_piece(param)
+            if piece is None:
+                continue
+            where = (piece.data_ptr(), piece.numel())
+            if where not in seen:
+                seen.add(where)
+                piece.mul_(factor.to(device=piece.device, dtype=piece.dtype))
 
     def optimizer_step(self) -> bool:
         self.engine.step()

@@ -12,6 +12,7 @@ from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
     GradAccumulation,
+    LossNormalisation,
     Ownership,
     PrecisionOwner,
     StateDictDeclaration,
@@ -64,6 +65,7 @@ class FSDP1Strategy(ShardedStrategy):
     @property
     def ownership(self) -> Ownership:
         return Ownership(
+            loss_normalisation=LossNormalisation(over="the data-parallel ranks: FSDP's reduce-scatter averages"),
             refuses={Feature.COMPILE: FSDP1_FEATURE, Feature.ACTIVATION_CHECKPOINTING: FSDP1_FEATURE},
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,

@@ -13,6 +13,7 @@ from unison.contract.env import DistEnv
 from unison.contract.ownership import (
     AccumulationOwner,
     GradAccumulation,
+    LossNormalisation,
     Ownership,
     PrecisionOwner,
     StateDictDeclaration,
@@ -64,6 +65,7 @@ class FSDP2Strategy(ShardedStrategy):
     @property
     def ownership(self) -> Ownership:
         return Ownership(
+            loss_normalisation=LossNormalisation(over="the data-parallel ranks: FSDP's reduce-scatter averages"),
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,
                 "no_sync() calls set_requires_gradient_sync(False) on non-boundary micro-steps: unsharded "

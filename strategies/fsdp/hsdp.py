@@ -48,6 +48,7 @@ from unison.contract.mesh import MeshDim, MeshLayout
 from unison.contract.ownership import (
     AccumulationOwner,
     GradAccumulation,
+    LossNormalisation,
     Ownership,
     StateDictDeclaration,
     StateDictKind,
@@ -109,6 +110,12 @@ class HSDPStrategy(FSDP2Strategy):
     def ownership(self) -> Ownership:
         size = self.options.shard_size
         return Ownership(
+            loss_normalisation=LossNormalisation(
+                over=(
+                    "dp_replicate x dp_shard: FSDP2's reduce-scatter averages over "
+                    "dp_shard, its all-reduce over dp_replicate"
+                )
+            ),
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,
                 "no_sync() calls set_requires_gradient_sync(False) on non-boundary micro-steps, which defers both "

@@ -58,6 +58,7 @@ from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
     GradAccumulation,
+    LossNormalisation,
     Ownership,
     PrecisionSupport,
     StateDictDeclaration,
@@ -137,6 +138,11 @@ class FSDPTPStrategy(FSDP2Strategy):
             "gradients live on two meshes (dp for replicated layers, dp x tp for split ones)"
         )
         return Ownership(
+            loss_normalisation=LossNormalisation(
+                over=(
+                    "dp: FSDP2's reduce-scatter averages; tp ranks hold parts of one replica's gradients, not replicas"
+                )
+            ),
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.TRAINER,
                 "no_sync() calls set_requires_gradient_sync(False) on non-boundary micro-steps: the dp "

@@ -97,6 +97,8 @@ class StagedStrategy(Strategy):
         self._param_order: dict[str, int] = {}
         #: Micro-batches per optimizer step the schedule was built for.
         self._n = 0
+        #: Whether ``loss_fn`` returns ``(loss_sum, num_items)`` pairs; read at the first step (``None`` before).
+        self._pairs: bool | None = None
 
     # -- placement --------------------------------------------------------- #
     def _place(
@@ -161,18 +163,32 @@ class StagedStrategy(Strategy):
         if n != self._n:
             raise RuntimeError(f"strategy {self.name!r} was set up for {self._n} micro-batches per step, got {n}")
 
-    def _losses_on_every_rank(self, last_stage_losses: list[torch.Tensor] | None, n: int) -> list[torch.Tensor]:
-        """The last stage's undivided micro-batch losses, broadcast over the pipeline."""
+    def _losses_on_every_rank(
+        self, last_stage_losses: list[tuple[torch.Tensor, torch.Tensor | None]] | None, n: int
+    ) -> list[Any]:
+        """The last stage's undivided micro-batch losses (pairs for ``(loss_sum, num_items)``), on every stage.
+
+        One broadcast of ``(loss, items)`` rows, ``items`` -1 for a mean: the
+        other stages cannot know which form the loss took.
+        """
         assert self.env is not None
         device = self.env.device
         if self.is_last:
             assert last_stage_losses is not None
-            losses = torch.stack(last_stage_losses).float().to(device)
+            rows = torch.stack(
+                [
+                    torch.stack([loss.float().reshape(()).to(device), _items_or_none(items, device)])
+                    for loss, items in last_stage_losses
+                ]
+            )
         else:
-            losses = torch.zeros(n, dtype=torch.float32, device=device)
+            rows = torch.zeros(n, 2, dtype=torch.float32, device=device)
         if self.layout.stages > 1:
-            dist.broadcast(losses, src=self._last_rank, group=self._pp_group)
-        return list(losses.unbind())
+            dist.broadcast(rows, src=self._last_rank, group=self._pp_group)
+        if self._pairs is None:
+            # Read once, at the first step (every rank alike): later steps read nothing from the device here.
+            self._pairs = bool(rows[0, 1] >= 0)
+        return [(row[0], row[1]) if self._pairs else row[0] for row in rows.unbind()]
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         assert self.module is not None and self.env is not None
@@ -213,13 +229,15 @@ class StagedStrategy(Strategy):
             if k + 1 < self.layout.chunks and owner(k + 1) != owner(k):
                 send_tensor(as_tensor(x, "stage output"), self._pp_ranks[owner(k + 1)])
         if self.is_last:
-            loss = loss_fn(x, targets.to(device) if isinstance(targets, torch.Tensor) else targets).float()
+            loss, items = split_pair(loss_fn(x, targets.to(device) if isinstance(targets, torch.Tensor) else targets))
+            row = torch.stack([loss.float().reshape(()).to(device), _items_or_none(items, device)])
         else:
-            loss = torch.zeros((), dtype=torch.float32, device=device)
+            row = torch.zeros(2, dtype=torch.float32, device=device)
         if self.layout.stages > 1:
-            loss = loss.reshape(1).contiguous()
-            dist.broadcast(loss, src=self._last_rank, group=self._pp_group)
-        return loss.reshape(())
+            dist.broadcast(row, src=self._last_rank, group=self._pp_group)
+        loss, items = row.unbind()
+        # Validation reads its losses anyway: -1 marks a mean (a pair's count is never negative).
+        return loss if bool(items < 0) else (loss, items)
 
     # -- state ------------------------------------------------------------- #
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -292,3 +310,15 @@ class StagedStrategy(Strategy):
 
 
 __all__ = ["PIPELINE_REFUSALS", "PIPELINE_STATE", "StagedStrategy", "pipeline_world_sizes"]
+
+
+def split_pair(value: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A ``loss_fn`` result as ``(loss, items)``: a mean loss has no items; a ``(loss_sum, num_items)`` pair has."""
+    if isinstance(value, (tuple, list)) and len(value) == 2:
+        loss, items = value
+        return loss, torch.as_tensor(items, dtype=torch.float32, device=loss.device).detach().reshape(())
+    return value, None
+
+
+def _items_or_none(items: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    return torch.full((), -1.0, device=device) if items is None else items.float().reshape(()).to(device)

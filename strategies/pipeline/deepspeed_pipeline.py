@@ -36,6 +36,7 @@ from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
     GradAccumulation,
+    LossNormalisation,
     Ownership,
     PrecisionOwner,
     PrecisionSupport,
@@ -48,7 +49,13 @@ from unison.strategies._upstream.deepspeed import (
     import_deepspeed,
     run_train_schedule_without_step,
 )
-from unison.strategies.pipeline.base import PIPELINE_REFUSALS, PIPELINE_STATE, StagedStrategy, pipeline_world_sizes
+from unison.strategies.pipeline.base import (
+    PIPELINE_REFUSALS,
+    PIPELINE_STATE,
+    StagedStrategy,
+    pipeline_world_sizes,
+    split_pair,
+)
 from unison.strategies.pipeline.layout import ChunkLayout, check_model
 from unison.strategies.pipeline.p2p import as_tensor
 
@@ -81,6 +88,12 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
     @property
     def ownership(self) -> Ownership:
         return Ownership(
+            loss_normalisation=LossNormalisation(
+                over=(
+                    "each stage's data-parallel replicas: the engine's reduce averages "
+                    "(its backward divides by gradient_accumulation_steps)"
+                )
+            ),
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.SCHEDULE,
                 "DeepSpeed PipelineEngine TrainSchedule with gradient_accumulation_steps = accumulate_grad_batches "
@@ -175,9 +188,9 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
     def _ds_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss is not None
         loss_fn, record = self._loss
-        loss = loss_fn(output, target)
-        # Undivided: the engine's backward divides by gradient_accumulation_steps.
-        record.append(loss.detach())
+        loss, items = split_pair(loss_fn(output, target))
+        # Undivided: the engine's backward divides by gradient_accumulation_steps (a pair's sum likewise).
+        record.append((loss.detach(), items))
         return loss
 
     def forward_backward(
@@ -185,7 +198,7 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
     ) -> list[torch.Tensor]:
         n = len(micro_batches)
         self._check_micro_batch_count(n)
-        record: list[torch.Tensor] = []
+        record: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self._loss = (loss_fn, record)
         try:
             batches = [(as_tensor(x, "inputs"), as_tensor(y, "targets")) for x, y in micro_batches]

@@ -64,6 +64,7 @@ from unison.contract.mesh import MeshDim, MeshLayout
 from unison.contract.ownership import (
     AccumulationOwner,
     GradAccumulation,
+    LossNormalisation,
     Ownership,
     PrecisionOwner,
     PrecisionSupport,
@@ -145,6 +146,9 @@ class PipelineFSDPStrategy(PipelineStrategy):
     def ownership(self) -> Ownership:
         o = self.options
         return Ownership(
+            loss_normalisation=LossNormalisation(
+                over=("dp, per stage: FSDP2's reduce-scatter averages (the schedule's loss / n divides)")
+            ),
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.SCHEDULE,
                 f"torch.distributed.pipelining {SCHEDULES[o.schedule][0]} ({self.layout.per_rank} model chunk(s) "

@@ -58,7 +58,14 @@ import torch
 import torch.distributed as dist
 
 from unison.contract.env import DistEnv
-from unison.contract.ownership import AccumulationOwner, GradAccumulation, Ownership, PrecisionOwner, PrecisionSupport
+from unison.contract.ownership import (
+    AccumulationOwner,
+    GradAccumulation,
+    LossNormalisation,
+    Ownership,
+    PrecisionOwner,
+    PrecisionSupport,
+)
 from unison.contract.precision import Precision
 from unison.contract.strategy import LossFn, OptimizerFactory
 from unison.contract.transforms import checkpoint_blocks
@@ -69,7 +76,13 @@ from unison.strategies._upstream.torch import (
     flatten_dense_tensors,
     unflatten_dense_tensors,
 )
-from unison.strategies.pipeline.base import PIPELINE_REFUSALS, PIPELINE_STATE, StagedStrategy, pipeline_world_sizes
+from unison.strategies.pipeline.base import (
+    PIPELINE_REFUSALS,
+    PIPELINE_STATE,
+    StagedStrategy,
+    pipeline_world_sizes,
+    split_pair,
+)
 from unison.strategies.pipeline.layout import (
     SCHEDULES,
     ChunkLayout,
@@ -183,7 +196,9 @@ class PipelineStrategy(StagedStrategy):
     def __init__(self, **options: Any) -> None:
         self.options = self.options_model(**options)
         super().__init__(layout_of(self.options))
-        self._loss: tuple[LossFn, Precision, int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self._loss: (
+            tuple[LossFn, Precision, int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] | None
+        ) = None
         self._runners: list[_StageForward] = []
         self.pipe_stages: list[Any] = []
         self.schedule: Any = None
@@ -193,6 +208,12 @@ class PipelineStrategy(StagedStrategy):
     def ownership(self) -> Ownership:
         o = self.options
         return Ownership(
+            loss_normalisation=LossNormalisation(
+                over=(
+                    "each stage's data-parallel replicas: one all-reduce (mean) per stage "
+                    "after the schedule (the schedule's loss / n divides)"
+                )
+            ),
             grad_accumulation=GradAccumulation(
                 AccumulationOwner.SCHEDULE,
                 f"torch.distributed.pipelining {SCHEDULES[o.schedule][0]} ({self.layout.per_rank} model chunk(s) "
@@ -316,13 +337,14 @@ class PipelineStrategy(StagedStrategy):
         assert self._loss is not None
         loss_fn, precision, n, record = self._loss
         with precision.forward_context():
-            loss = loss_fn(output, target)
-        # The one place the loss is divided for accumulation (see module doc).
+            loss, items = split_pair(loss_fn(output, target))
+        # The one place the loss is divided for accumulation (see module doc); a (loss_sum, num_items) pair's
+        # sum likewise (the trainer scales the gradients by the step's global item count afterwards).
         scaled = precision.scale_loss(loss / n)
         # The stage's one-time shape inference also calls this loss (on empty
         # tensors); only the losses the schedule reports back are real, so
         # they are matched by identity after the step.
-        record.append((scaled, loss.detach()))
+        record.append((scaled, loss.detach(), items))
         return scaled
 
     def forward_backward(
@@ -331,7 +353,7 @@ class PipelineStrategy(StagedStrategy):
         assert self.env is not None
         n = len(micro_batches)
         self._check_micro_batch_count(n)
-        record: list[tuple[torch.Tensor, torch.Tensor]] = []
+        record: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         reported: list[torch.Tensor] = []
         self._loss = (loss_fn, precision, n, record)
         for runner in self._runners:
@@ -361,7 +383,11 @@ class PipelineStrategy(StagedStrategy):
         self._all_reduce_grads()
         # Every rank of the pipeline returns the last stage's micro-batch losses,
         # so the trainer's reduce_mean over replicas is the same everywhere.
-        undivided = [next(loss for scaled, loss in record if scaled is r) for r in reported] if self.is_last else None
+        undivided = (
+            [next((loss, items) for scaled, loss, items in record if scaled is r) for r in reported]
+            if self.is_last
+            else None
+        )
         return self._losses_on_every_rank(undivided, n)
 
     def _all_reduce_grads(self) -> None:
