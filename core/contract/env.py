@@ -19,7 +19,8 @@ from unison.errors import ConfigurationError
 class DistEnv:
     """Where this process sits in the world, as the trainer found it.
 
-    The trainer binds it to the strategy (``strategy.env``) before ``setup``.
+    The trainer binds it to the strategy (``strategy.env``) before it calls
+    ``setup``, and passes it as ``setup``'s ``env=`` too.
     """
 
     rank: int
