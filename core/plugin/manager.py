@@ -25,6 +25,10 @@ every deferred entry point first, so entry points still come before explicit
 plugins. A lazy manager reports a plugin that fails to import when it is
 first needed rather than at construction.
 
+``UNISON_CHECK_PLUGIN_RNG=1`` makes every lifecycle hook call check that its
+plugins left the training RNG states alone (:mod:`unison.plugin.rng_guard`;
+the conformance suite's runs set it).
+
 ``UNISON_DISABLE_PLUGIN_AUTOLOAD=1`` skips third-party entry points (only the
 ``unison`` distribution's own load), as ``PYTEST_DISABLE_PLUGIN_AUTOLOAD``
 does for pytest; ``UNISON_BLOCK_PLUGINS=a,b`` (or ``blocked=``) blocks plugins
@@ -57,6 +61,8 @@ import pluggy
 from unison.errors import PluginError
 from unison.plugin import PROJECT_NAME, hookspecs
 from unison.plugin.registry import PrecisionRegistry, StrategyRegistry
+from unison.plugin.rng_guard import CHECK_RNG_ENV
+from unison.plugin.rng_guard import install as install_rng_guard
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -134,6 +140,8 @@ class PluginManager:
         for plugin in plugins:
             self.register(plugin)
         self.check_pending()
+        if os.environ.get(CHECK_RNG_ENV, "") not in ("", "0"):
+            install_rng_guard(self._pm)  # no lifecycle plugin may touch training's RNG (unison.plugin.rng_guard)
 
     # -- registration ------------------------------------------------------ #
     def _load_entry_points(self, *, third_party: bool) -> None:
