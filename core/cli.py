@@ -95,6 +95,14 @@ def describe(name: str) -> None:
     ga = d["grad_accumulation"]
     sync = f" (gradients synchronised: {ga['sync']})" if ga["owner"] == "trainer" else ""
     console.print(f"gradient accumulation: owned by [bold]{ga['owner']}[/]{sync} – {escape(ga['mechanism'])}")
+    ln = d["loss_normalisation"]
+    pairs = "refused" if "item_weighted_loss" in d["refuses"] else "taken"
+    console.print(
+        f"loss normalisation: backward divides by [bold]{ln['divisor']}[/]; gradients reduced by "
+        f"[bold]{ln['replicas']}[/] over {escape(ln['over'])}"
+        + ("" if ln["declared"] else " (not declared: the trainer path's default)")
+        + f"; (loss_sum, num_items) losses {pairs}: {escape(ln['scaled_by'])}"
+    )
     console.print(f"replicas start equal: made so by the [bold]{d['replica_init']}[/]")
     forms = [f for f in ("loss_fn", "training_step") if f not in d["refuses"]]
     console.print(

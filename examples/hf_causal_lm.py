@@ -1,12 +1,15 @@
-"""A small Hugging Face causal LM trained with dict batches through the ``training_step`` form.
+"""A small Hugging Face causal LM trained with dict batches on its own loss, with no loss code.
 
 The model is a ``transformers`` Llama built from a local config (no download,
 dropout off), byte-level (vocabulary of 256 bytes, no tokenizer needed), and
 the text is the Python standard library's own source, read at run time.
 Each sample is ``{"input_ids", "attention_mask", "labels"}``, which is what
-every Hugging Face causal LM takes; the model computes its own loss::
+every Hugging Face causal LM takes; the model computes its own loss, and with
+neither ``loss_fn`` nor ``training_step`` the trainer normalises it by the step's
+global count of labels ``!= -100`` (the Hugging Face Trainer's ``num_items_in_batch``),
+so padding and the split over ranks and micro-batches change nothing::
 
-    trainer.fit(build_model, train, training_step=training_step, optimizer=...)
+    trainer.fit(build_model, train, optimizer=...)
 
 ``unison train examples/hf_causal_lm.toml [--strategy ddp --nproc 2]`` uses the
 factories below; ``python examples/hf_causal_lm.py [--strategy NAME] [--max-steps N]``
@@ -89,7 +92,8 @@ def build_model(hidden_size: int = 64, layers: int = 2, heads: int = 4, seq_len:
 
 
 def training_step(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The model computes the mean token loss itself from ``labels``."""
+    """The explicit form: each micro-batch's own token mean (the same as the default here, where every window
+    is full length; on padded batches prefer the default, which weighs every token alike)."""
     return model(**batch).loss
 
 
@@ -115,7 +119,6 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(
         build_model,
         train,
-        training_step=training_step,
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01),
         val_dataset=val,
     )

@@ -76,3 +76,36 @@ def test_world_2_matches_the_full_batch_reference(world2, ref, ref_pipeline, cas
     other = world2[1][case]
     assert other["losses"] == out["losses"] and other["items"] == out["items"]
     assert all(torch.equal(other["state"][k], v) for k, v in out["state"].items())
+
+
+def test_every_builtin_declares_its_loss_normalisation():
+    """``unison describe`` shows it; every built-in on this machine takes the pair form."""
+    from unison.plugin.manager import PluginManager
+
+    pm = PluginManager()
+    for name in pm.strategies.names():
+        spec, options = pm.strategies.resolve(name)
+        ownership = spec.factory(**options.model_dump()).ownership
+        assert ownership.loss_normalisation is not None, name
+        assert ownership.refusal("item_weighted_loss") is None, name
+    from test_cli import run
+
+    text = " ".join(run("describe", "zero2").stdout.split())
+    assert (
+        "loss normalisation: backward divides by micro-batches; gradients reduced by mean over the data-parallel"
+        in text
+    )
+    assert "(loss_sum, num_items) losses taken" in text
+
+
+def test_an_engine_or_schedule_that_declares_no_normalisation_refuses_pairs():
+    from unison.contract.ownership import AccumulationOwner, Feature, GradAccumulation, Ownership
+    from unison.contract.replicated import DCP_FULL_STATE, TRAINER_PRECISION
+
+    for owner in (AccumulationOwner.ENGINE, AccumulationOwner.SCHEDULE):
+        ownership = Ownership(GradAccumulation(owner, "its own"), TRAINER_PRECISION, DCP_FULL_STATE)
+        assert "declares no loss_normalisation (plugin API 2.3)" in ownership.refusal(Feature.ITEM_WEIGHTED_LOSS)
+    # The trainer's path keeps the contract it always had: loss / A, replicas averaged.
+    ownership = Ownership(GradAccumulation(AccumulationOwner.TRAINER, "no_sync"), TRAINER_PRECISION, DCP_FULL_STATE)
+    assert ownership.refusal(Feature.ITEM_WEIGHTED_LOSS) is None
+    assert ownership.normalisation.gradient_factor_numerator(4, 2) == 8

@@ -29,6 +29,8 @@ roots. Factories are ``"file.py:function"`` (relative to the config file) or
     # or, for batches of any structure (dicts, Hugging Face models):
     # [training_step]
     # factory = "hf_causal_lm.py:training_step"
+    # or neither section: a Hugging Face model's own loss on dict batches with labels,
+    # normalised by the step's global count of labels != -100
 
     [optimizer]                     # a torch.optim class, "apex.FusedAdam", or "package.module:Class"
     name = "AdamW"
@@ -290,11 +292,12 @@ def resolve_run(config: RunConfig, base: Path) -> dict[str, Any]:
     model = resolve_factory(config.model.factory, base, "model.factory", trust)
     check_kwargs(model, config.model.kwargs, "model.kwargs")
     data = _data_factory(config.data, base, trust)
+    form: dict[str, Any] = {}
     if config.loss is not None:
         form = {"loss_fn": resolve_factory(config.loss.factory, base, "loss.factory", trust)}
-    else:
-        assert config.training_step is not None
+    elif config.training_step is not None:
         form = {"training_step": resolve_factory(config.training_step.factory, base, "training_step.factory", trust)}
+    # Neither: fit trains the model's own loss (a Hugging Face model on dict batches with labels).
 
     def build_model() -> Any:
         try:

@@ -182,9 +182,9 @@ class RunConfig(_Strict):
     model: FactoryConfig
     data: DataConfig
     loss: LossConfig | None = None
-    """The ``(inputs, targets)`` form; give this or ``[training_step]``."""
+    """The ``(inputs, targets)`` form; give this, ``[training_step]``, or neither (the model's own loss)."""
     training_step: StepConfig | None = None
-    """The form for batches of any structure; give this or ``[loss]``."""
+    """The form for batches of any structure; give this, ``[loss]``, or neither (the model's own loss)."""
     optimizer: ClassConfig = ClassConfig(name="AdamW", kwargs={"lr": 1e-3})
     scheduler: ClassConfig | None = None
     logging: LoggingConfig = LoggingConfig()
@@ -195,8 +195,9 @@ class RunConfig(_Strict):
 
     @pydantic.model_validator(mode="after")
     def _one_form(self) -> RunConfig:
-        if (self.loss is None) == (self.training_step is None):
-            raise ValueError("give exactly one of the [loss] and [training_step] sections")
+        # Neither: the model's own loss (a Hugging Face model on dict batches with labels), checked by fit.
+        if self.loss is not None and self.training_step is not None:
+            raise ValueError("give at most one of the [loss] and [training_step] sections")
         return self
 
 

@@ -264,7 +264,8 @@ def check_form(strategy: Strategy, loss_fn: LossFn | None, training_step: Traini
     if loss_fn is not None and training_step is not None:
         raise ConfigurationError(
             "loss_fn/training_step",
-            "pass exactly one of loss_fn and training_step",
+            "pass at most one of loss_fn and training_step (neither: the model's own loss, for dict batches "
+            "with labels)",
             "loss_fn=... for (inputs, targets) batches, or training_step=lambda model, batch: ... for any batch",
         )
     if training_step is not None:
