@@ -65,8 +65,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     ),
     Scenario(
         "validation",
-        "val/loss every 2 steps on 25 samples, 3 per replica per batch: a short last batch (zero-weight stand-ins "
-        "on every rank but 0); the per-sample mean over all replicas at every validation",
+        "val/loss every 2 steps on 17 samples, 3 per replica per batch: a short last chunk split unevenly over "
+        "the replicas (3+2 at world 2, 2+1+1+1 at 4), its losses rising along it; the per-sample mean over all "
+        "replicas at every validation",
         model="mlp",
         optimizer="sgd",
         val_every=2,

@@ -36,6 +36,7 @@ BROKEN = [
     "every_step_claims_boundary",
     "forgets_optimizer_state",
     "per_rank_val_mean",
+    "batch_mean_over_replicas",
     "forgets_momentum",
 ]
 
@@ -153,6 +154,19 @@ def test_a_per_replica_validation_mean_fails_validation_with_its_rule(report):
     assert v.divergences[0].quantity == "val/loss" and v.divergences[0].step == 2
     assert _margin(v) >= 10, _margin(v)
     assert not report.certificate("per_rank_val_mean").certified
+
+
+def test_a_batch_mean_over_replicas_fails_validation_on_the_uneven_short_batch(report):
+    """Each batch's loss averaged over the replicas equals the per-sample mean on every full chunk; only the
+    short last chunk, split 3 + 2, tells them apart (a one-sample last chunk did not: it was certified)."""
+    statuses = _statuses(report, "batch_mean_over_replicas")
+    assert statuses["plain"] == statuses["accumulation"] == statuses["resume"] == PASS
+    v = report.verdicts["batch_mean_over_replicas"]["validation"]
+    assert v.status == FAIL and v.diagnosis.rule == "validation", v.diagnosis.message()
+    assert [d.step for d in v.divergences if d.quantity == "val/loss"] == [2, 4, 6]  # every validation
+    assert _margin(v) >= 10, _margin(v)
+    assert any("splits 3+2 over 2 replicas (unevenly" in c for c in v.checks), v.checks
+    assert not report.certificate("batch_mean_over_replicas").certified
 
 
 def test_momentum_lost_on_resume_fails_resume_sgd_only(report):

@@ -63,7 +63,8 @@ def validation(e: Evidence) -> Finding | None:
         "validation",
         e.first,
         "training matches the reference but val/loss does not: it is not the per-sample mean over every "
-        "replica (each replica's mean averaged, or a zero-weight stand-in batch counted); the strategy's "
+        "replica (each replica's mean averaged, each batch's mean averaged over replicas, or a zero-weight "
+        "stand-in batch counted); the strategy's eval_loss must return this replica's batch mean and its "
         "reduce_sum must sum the (loss * weight, weight) pair over replicas",
     )
 
