@@ -139,7 +139,9 @@ class ScheduleAccumulation(Protocol):
         ``Ownership.loss_normalisation`` (API 2.3) also takes a ``loss_fn``
         returning ``(loss_sum, num_items)``: it backpropagates ``loss_sum`` as
         it would a mean loss and returns each micro-batch's pair
-        ``(loss_sum, num_items)`` (0-dim tensors) on every rank.
+        ``(loss_sum, num_items)`` (0-dim tensors) on every rank; it may return
+        a mean loss as ``(loss, -1)`` (stages that do not compute the loss
+        cannot know its form without reading the device).
         """
         ...
 

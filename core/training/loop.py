@@ -136,28 +136,19 @@ class TrainLoop:
         parts = [torch.stack([v.loss.detach().float().reshape(()) for v in values])]
         if pairs:
             parts.append(torch.stack([v.items for v in values]).to(parts[0].device))  # type: ignore[misc]
-        # With a pair, the tokens of the default rule are the step's items (tokens/s from the normalising count).
-        count_tokens = batch.tokens is not None and not (pairs and trainer.data.counts_tokens_by_default)
-        if count_tokens:
+        if batch.tokens is not None:
             # torch.full: the count is a kernel argument, not a host-to-device copy (which would synchronise).
             parts.append(torch.full((1,), float(batch.tokens), device=parts[0].device))
         reduced = strategy.reduce_sum(torch.cat(parts))
         replicas = strategy.data_parallel_size(trainer.env.world_size)
-        items = tokens = None
+        tokens = reduced[-1] if batch.tokens is not None else None
+        items = None
         precision.unscale_gradients(strategy.optimizer)
         if pairs:
-            # sum over the global batch / items over the global batch: the gradients were summed as the declaration
-            # says backward divides and the replicas reduce; one factor turns them into that mean.
             items = reduced[n : 2 * n]
-            total = items.sum()
-            micro = reduced[:n] / items.clamp(min=1)
-            numerator = trainer.ownership.normalisation.gradient_factor_numerator(n, replicas)
-            strategy.scale_gradients(numerator / total.clamp(min=1))
-            tokens = None if count_tokens else total
+            micro, tokens = self._normalise(reduced[:n], items, tokens, replicas)
         else:
             micro = reduced[:n] / replicas
-        if count_tokens:
-            tokens = reduced[-1]
 
         grad_norm = strategy.clip_grad_norm(s.grad_clip_norm).detach()
         lrs = [float(g["lr"]) for g in strategy.optimizer.param_groups]  # type: ignore[union-attr]
@@ -186,6 +177,30 @@ class TrainLoop:
                 "the loss for NaN/inf, lower the learning rate, or use bf16-mixed; max_consecutive_skips sets the limit"
             )
         return StepOutput(step, micro, grad_norm, lrs, skipped, s.global_batch_size, tokens, items=items)
+
+    def _normalise(
+        self, sums: torch.Tensor, items: torch.Tensor, tokens: torch.Tensor | None, replicas: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scale the summed gradients to the global batch's sum over its global item count; the micro losses.
+
+        The gradients were summed as the declaration says backward divides and
+        the replicas reduce; one factor turns them into that mean. A schedule
+        that broadcasts its last stage's losses marks a mean loss with items
+        -1 (its other stages cannot know the form without reading the device):
+        the same arithmetic then leaves a mean loss as it is, decided on the
+        device (a factor of exactly 1). With the default token rule, the step's
+        tokens are its items: tokens/s counts what the loss is normalised by.
+        """
+        trainer = self.trainer
+        total = items.sum()
+        mean = total < 0
+        micro = torch.where(mean, sums / replicas, sums / items.clamp(min=1))
+        numerator = trainer.ownership.normalisation.gradient_factor_numerator(len(sums), replicas)
+        one = torch.ones((), device=total.device)
+        trainer.strategy.scale_gradients(torch.where(mean, one, numerator / total.clamp(min=1)))
+        if trainer.data.counts_tokens_by_default:
+            tokens = torch.where(mean, tokens if tokens is not None else -one, total)
+        return micro, tokens
 
     def _count(self, skipped: bool) -> None:
         """The progress counters after an optimizer step; the scheduler steps only with the optimizer."""

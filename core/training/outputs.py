@@ -73,7 +73,10 @@ class StepOutput:
         """The global batch's loss (0-dim device tensor): the mean over micro-batches, or the sum over items."""
         if self.items_tensor is None:
             return self.micro_loss_tensor.mean()
-        return (self.micro_loss_tensor * self.items_tensor).sum() / self.items_tensor.sum().clamp(min=1)
+        total = self.items_tensor.sum()
+        # Negative items: a schedule's mark for a mean loss (decided on the device, see TrainLoop._normalise).
+        weighted = (self.micro_loss_tensor * self.items_tensor).sum() / total.clamp(min=1)
+        return torch.where(total < 0, self.micro_loss_tensor.mean(), weighted)
 
     @property
     def micro_losses(self) -> list[float]:
@@ -97,7 +100,8 @@ class StepOutput:
         if self.items_tensor is None:
             return None
         if "items" not in self._cache:
-            self._cache["items"] = int(self.items_tensor.sum())
+            total = int(self.items_tensor.sum())
+            self._cache["items"] = total if total >= 0 else None  # negative: a mean loss (see loss_tensor)
         return self._cache["items"]
 
     @property
@@ -112,7 +116,8 @@ class StepOutput:
         if self._tokens is None:
             return None
         if "tokens" not in self._cache:
-            self._cache["tokens"] = int(self._tokens)
+            tokens = int(self._tokens)
+            self._cache["tokens"] = tokens if tokens >= 0 else None  # negative: the batches did not say
         return self._cache["tokens"]
 
     _KEYS = ("step", "loss", "micro_losses", "grad_norm", "lr", "lrs", "skipped", "samples", "tokens", "num_items")

@@ -97,8 +97,6 @@ class StagedStrategy(Strategy):
         self._param_order: dict[str, int] = {}
         #: Micro-batches per optimizer step the schedule was built for.
         self._n = 0
-        #: Whether ``loss_fn`` returns ``(loss_sum, num_items)`` pairs; read at the first step (``None`` before).
-        self._pairs: bool | None = None
 
     # -- placement --------------------------------------------------------- #
     def _place(
@@ -166,10 +164,12 @@ class StagedStrategy(Strategy):
     def _losses_on_every_rank(
         self, last_stage_losses: list[tuple[torch.Tensor, torch.Tensor | None]] | None, n: int
     ) -> list[Any]:
-        """The last stage's undivided micro-batch losses (pairs for ``(loss_sum, num_items)``), on every stage.
+        """The last stage's undivided micro-batch losses as ``(loss, items)`` pairs, on every stage.
 
-        One broadcast of ``(loss, items)`` rows, ``items`` -1 for a mean: the
-        other stages cannot know which form the loss took.
+        One broadcast of ``(loss, items)`` rows, ``items`` -1 for a mean loss:
+        the other stages cannot know which form the loss took without reading
+        the device, so every stage returns the pair and the trainer decides on
+        the device (``TrainLoop._normalise``).
         """
         assert self.env is not None
         device = self.env.device
@@ -185,10 +185,7 @@ class StagedStrategy(Strategy):
             rows = torch.zeros(n, 2, dtype=torch.float32, device=device)
         if self.layout.stages > 1:
             dist.broadcast(rows, src=self._last_rank, group=self._pp_group)
-        if self._pairs is None:
-            # Read once, at the first step (every rank alike): later steps read nothing from the device here.
-            self._pairs = bool(rows[0, 1] >= 0)
-        return [(row[0], row[1]) if self._pairs else row[0] for row in rows.unbind()]
+        return [(row[0], row[1]) for row in rows.unbind()]
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         assert self.module is not None and self.env is not None
