@@ -264,3 +264,32 @@ def test_a_sigstopped_rank_ends_the_job_in_seconds_with_code_3_and_auto_resume_i
             assert torch.equal(resumed["state"][k], reference["state"][k]), k  # bitwise
     finally:
         leave_nothing_behind(pids)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_sigstopped_rank_0_is_continued_and_named_with_its_last_step(tmp_path):
+    """Rank 0 hosts the control-plane store: stopped, it silences every heartbeat. Rank 1 names it, continues
+    it (SIGCONT) and reports the step its heartbeat gives on waking; rank 0 reports its own freeze; both exit 3
+    and no process stays stopped."""
+    stalled: dict[str, Any] = {"pids": []}
+    try:
+        stalled = job(tmp_path, "rank0", "--stall", "10", "--freeze", "0:7", timeout=240)
+        err = stalled["stderr"]
+        assert stalled["rc"] == EXIT_STALLED, err[-4000:]
+        took = stalled["ended"] - stalled["frozen_at"]
+        assert took < 35, f"the job ended {took:.1f} s after rank 0 froze"
+        report1 = next(line for line in err.splitlines() if line.startswith("unison: rank 1: rank 0 stalled"))
+        assert "the control-plane store it hosts" in report1
+        assert "it was a stopped process on this host and was continued (SIGCONT)" in report1
+        # The step rank 0 froze at (the end of step 7, the trainer's step 6), not its first heartbeat's.
+        assert "rank 0's last heartbeat at step 6 (" in report1, report1
+        assert "no heartbeat seen" not in err and "step 0 (setup)" not in report1
+        report0 = next(line for line in err.splitlines() if line.startswith("unison: rank 0: rank 0 was frozen"))
+        assert "at step 6 (" in report0, report0
+        assert "exit code 3: StallError" in err
+        assert leave_nothing_behind(stalled["pids"]) == [], "a worker outlived the job (stopped or running)"
+        verified = Checkpointer(stalled["ckpt"]).latest()
+        assert verified is not None and verified.name == "step-00000004"
+    finally:
+        leave_nothing_behind(stalled["pids"])

@@ -56,6 +56,10 @@ DEFAULT_STALL_TIMEOUT_S = 300.0
 
 _RUNNING, _DONE = "running", "done"
 
+#: How long the peer that continued a stopped store host waits for its heartbeat, and how long that host,
+#: having found itself frozen, keeps its store up for the peer to read it.
+FRESH_WAIT_S, HOST_LINGER_S = 3.0, 1.5
+
 
 class StallError(UnisonError):
     """A rank stopped making progress; every live rank ends with :data:`~unison.errors.EXIT_STALLED`."""
@@ -210,6 +214,8 @@ class Watchdog:
         self.where: tuple[int, str] = (0, "setup")
         self.report: str | None = None
         self._stoppable: list[tuple[int, str | None]] = []
+        self._linger = 0.0
+        self._own_store = False
         self._beat_count = 0
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -228,6 +234,7 @@ class Watchdog:
     # -- lifecycle ----------------------------------------------------------- #
     def start(self) -> Watchdog:
         if self.enabled and self._thread is None:
+            self._own_store = self.store is None
             if self.store is None:
                 self.store = store_client(max(2.0, 2 * self.interval))
             self._publish(_RUNNING)
@@ -275,18 +282,26 @@ class Watchdog:
         return {int(k.rsplit("/", 1)[1]): json.loads(bytes(v).decode()) for k, v in zip(present, values)}
 
     def _beat(self) -> None:
-        """Publish this rank's heartbeat and read everyone's, every interval."""
-        while not self._stop.wait(self.interval):
+        """Publish this rank's heartbeat and read everyone's, every interval.
+
+        The first rounds run at once and then every 0.1 s until every rank's record was read: the ranks'
+        pids and hosts are known from the start, so a rank (the store's host included) that freezes
+        within the first interval can still be continued.
+        """
+        wait = 0.0
+        while not self._stop.wait(wait):
             try:
                 self._publish(_RUNNING)
                 records = self._read()
             except Exception:  # the store did not answer: the judge counts how long
+                wait = self.interval
                 continue
             now = time.monotonic()
             with self._lock:
                 for rank, record in records.items():
                     self._detector.observe(rank, record, now)
                 self._store_ok_at = now
+            wait = self.interval if len(records) == self.world_size else min(self.interval, 0.1)
 
     def _judge(self) -> None:
         """Every interval: was this process frozen, is the store's host, is any other rank."""
@@ -300,6 +315,12 @@ class Watchdog:
             if now - waited_from >= self.stall_timeout_s:
                 # A wait of one interval took a whole timeout: this process was
                 # frozen (stopped, or starved), and the other ranks named it.
+                if self.store_host_rank == self.rank:
+                    # Its peers cannot read while the store is frozen with this process: where it froze
+                    # goes to the store first, for the peer that continued it to report.
+                    with contextlib.suppress(Exception):
+                        self._publish(_RUNNING)
+                    self._linger = HOST_LINGER_S
                 step, phase = self.where
                 self._stalled(
                     f"rank {self.rank} was frozen for {now - waited_from:.1f} s at step {step} ({phase}), stopped or "
@@ -311,25 +332,68 @@ class Watchdog:
                 detector, store_ok_at = self._detector, self._store_ok_at
                 if self.store_host_rank is not None and detector.done(self.store_host_rank):
                     return  # the store's host finished: nothing left to watch, and nobody to blame
-                if now - store_ok_at >= self.stall_timeout_s:
-                    host = f"rank {self.store_host_rank}" if self.store_host_rank is not None else "the launcher"
-                    report = (
-                        f"{host} stalled: the control-plane store it hosts ({os.environ.get('MASTER_ADDR')}:"
-                        f"{os.environ.get('MASTER_PORT')}) has not answered for {now - store_ok_at:.1f} s; "
-                        + self._positions(detector, others)
-                    )
+                store_silent = now - store_ok_at if now - store_ok_at >= self.stall_timeout_s else None
+                if store_silent is not None:
+                    report = ""  # below, outside the lock: continuing the store's host waits for its heartbeat
                 else:
                     stalled = detector.stalled(now, others)
                     if not stalled:
                         continue
                     self._stoppable = self._stopped_here(detector, stalled)
                     report = self._describe(detector, stalled, now, others)
+            if store_silent is not None:
+                report = self._store_stalled(detector, others, store_silent)
             self._stalled(report)
             return
 
+    def _store_stalled(self, detector: StallDetector, others: list[int], silent: float) -> str:
+        """The report when the store stops answering. Its host, when it is a stopped process on this host, is
+        continued first (a stopped rank 0 would otherwise stay stopped until the launcher kills it) and
+        its heartbeat after waking, which says where it froze, is what the report gives."""
+        host_rank = self.store_host_rank
+        host = f"rank {host_rank}" if host_rank is not None else "the launcher"
+        report = (
+            f"{host} stalled: the control-plane store it hosts ({os.environ.get('MASTER_ADDR')}:"
+            f"{os.environ.get('MASTER_PORT')}) has not answered for {silent:.1f} s"
+        )
+        if host_rank is not None:
+            with self._lock:
+                self._stoppable = self._stopped_here(detector, [host_rank])
+            if self.continue_stopped():
+                report += "; it was a stopped process on this host and was continued (SIGCONT)"
+                fresh = self._fresh_record(host_rank)
+                if fresh is not None:
+                    with self._lock:
+                        detector.observe(host_rank, fresh, time.monotonic())
+        with self._lock:
+            return report + "; " + self._positions(detector, others)
+
+    def _fresh_record(self, rank: int) -> dict[str, Any] | None:
+        """``rank``'s next heartbeat after it was continued (it publishes where it froze as it wakes, and
+        lingers :data:`HOST_LINGER_S` for it to be read), or ``None`` if none comes within ``FRESH_WAIT_S``."""
+        with self._lock:
+            seen = self._detector.seen.get(rank)
+            old = seen.beat if seen is not None else None
+        deadline = time.monotonic() + FRESH_WAIT_S
+        store = self.store
+        if self._own_store:
+            # A new connection: the heartbeat thread's may have timed out mid-request while the store was
+            # frozen, and a c10d client that timed out can read the late answer as the next one's.
+            with contextlib.suppress(Exception):
+                store = store_client(FRESH_WAIT_S)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):  # the store may still be waking, or already gone
+                record = json.loads(bytes(store.get(self._key(rank))).decode())
+                if record.get("beat") != old:
+                    return record
+            time.sleep(0.02)
+        return None
+
     def _positions(self, detector: StallDetector, others: list[int]) -> str:
         parts = [self._here()]
-        parts += [f"rank {r}'s last heartbeat at {detector.where(r)}" for r in others]
+        for r in others:
+            seen = r in detector.seen
+            parts.append(f"rank {r}'s last heartbeat at {detector.where(r)}" if seen else f"rank {r}: none seen")
         return "; ".join(parts) + "; " + self._last_collectives(detector, others)
 
     def _here(self) -> str:
@@ -364,17 +428,20 @@ class Watchdog:
                 found.append((rec["pid"], rec.get("start")))
         return found
 
-    def continue_stopped(self) -> None:
-        """SIGCONT each stalled rank that is a stopped process (state ``T``) on this host.
+    def continue_stopped(self) -> list[int]:
+        """SIGCONT each stalled rank that is a stopped process (state ``T``) on this host; the pids continued.
 
         Frozen, it would ignore the launcher's SIGTERM until the launcher's
         grace period ends in SIGKILL; continued, it reports its own freeze and
         exits. The start time guards against a reused pid.
         """
+        continued = []
         for pid, start in self._stoppable:
             if _start_time(pid) == start and _proc_state(pid) in ("T", "t"):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGCONT)
+                    continued.append(pid)
+        return continued
 
     def _stalled(self, report: str) -> None:
         self.report = report
@@ -396,6 +463,8 @@ class Watchdog:
 
         record_error(StallError(report))
         self.continue_stopped()
+        if self._linger:  # the store's host: its peers read where it froze before the store goes
+            time.sleep(self._linger)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_STALLED)

@@ -29,7 +29,9 @@ turns them off. Each fit prints its run directory once when it opens it
 writes (every rank receives the same, already reduced, metrics), at the
 trainer's step, so every backend numbers them alike. A logger whose package
 is missing raises :class:`~unison.ConfigurationError` naming the extra to
-install, before training.
+install, before training. A logger whose write fails while training (a full
+disk) is reported once (:class:`LoggerWriteWarning`) and disabled for the rest of
+the fit; training goes on (the policy and why: ``docs/logging.md``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 from unison.plugin import hookimpl
 from unison.training.runs import default_root
 
-from ._base import RunLogger
+from ._base import LoggerWriteWarning, RunLogger
 from ._run import RunDirectory, new_version, run_metadata
 from .csv_logger import CSVLogger, read_csv
 from .jsonl import JSONLLogger, read_jsonl
@@ -52,6 +54,7 @@ from .wandb_logger import WandbLogger
 __all__ = [
     "CSVLogger",
     "JSONLLogger",
+    "LoggerWriteWarning",
     "MLflowLogger",
     "OpenTelemetryLogger",
     "PrometheusLogger",

@@ -6,10 +6,21 @@ opens at ``unison_on_fit_start`` (first among the fit-start hooks, so other
 plugins may log from theirs) and closes at ``unison_on_fit_end`` (last) or
 ``unison_on_exception``; ``step`` is the trainer's, so every backend numbers
 the x-axis alike.
+
+Write failures (the policy, see docs/logging.md "When a logger cannot write"): a logger whose
+write fails while training (a full disk, an I/O error, a server that stopped answering: any
+exception from ``_log`` or ``_close``, or an ``OSError`` while opening its run) is reported once,
+as one warning naming the logger, where it writes and the error, and is disabled for the rest of
+the fit; training goes on. Why not stop: metrics are a record of the run, checkpoints are the run;
+a full metrics disk at step 90,000 must not cost the run, and a user who needs the metrics can
+resume from the last checkpoint into a directory with space. Lightning and Hugging Face users
+expect the same of a failing integration: a warning, not a dead job. The other loggers keep
+writing (each is judged on its own write).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import warnings
@@ -20,6 +31,17 @@ from unison.errors import ConfigurationError
 from unison.plugin import hookimpl
 
 from ._run import RunDirectory, run_metadata
+
+
+def _first_line(exc: BaseException, limit: int = 300) -> str:
+    """An error's first non-empty line, at most ``limit`` characters (a store error can span pages)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else repr(exc)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class LoggerWriteWarning(RuntimeWarning):
+    """A logger could not write (a full disk, an I/O error) and is disabled for the rest of the fit."""
 
 
 def require(module: str, extra: str, logger: str) -> None:
@@ -54,6 +76,8 @@ class RunLogger:
         self.path: Path | None = None
         self._active = False
         self._warned = False
+        #: The write error that disabled this logger for the current fit (``None``: it writes).
+        self.failure: BaseException | None = None
 
     @hookimpl
     def unison_on_trainer_init(self, trainer: Any) -> None:
@@ -64,24 +88,34 @@ class RunLogger:
     def unison_on_fit_start(self, trainer: Any) -> None:
         if not trainer.is_global_zero:
             return
-        if self.run is not None:
-            self.path = self.run.open(trainer)
-            assert self.run.metadata is not None  # open() records it
-            metadata = self.run.metadata
-        else:
-            metadata = run_metadata(trainer)
+        self.failure = None  # every fit tries again: space may have been freed since
+        opened = False
         try:
-            self._start(trainer, metadata)
-        except BaseException:
             if self.run is not None:
+                self.path = self.run.open(trainer)
+                opened = True
+                assert self.run.metadata is not None  # open() records it
+                metadata = self.run.metadata
+            else:
+                metadata = run_metadata(trainer)
+            self._start(trainer, metadata)
+        except OSError as exc:
+            # The disk (or the server) refused the run's first files: the write-failure policy, as
+            # later; other errors (a bad tracking URI, a missing package) are configuration errors.
+            if opened and self.run is not None:
+                self.run.close()
+            self._disable(exc, "opening its run")
+            return
+        except BaseException:
+            if opened and self.run is not None:
                 self.run.close()
             raise
         self._active = True
 
     @hookimpl
     def unison_log_metrics(self, trainer: Any, metrics: dict[str, float], step: int) -> None:
-        if not trainer.is_global_zero:
-            return
+        if not trainer.is_global_zero or self.failure is not None:
+            return  # a logger disabled by a write error stays quiet for the rest of the fit
         if not self._active:
             if not self._warned:  # metrics logged outside fit(): there is no run to put them in
                 warnings.warn(
@@ -91,7 +125,11 @@ class RunLogger:
                 )
                 self._warned = True
             return
-        self._log(step, metrics)
+        try:
+            self._log(step, metrics)
+        except Exception as exc:  # any write failure: reported once, the logger disabled, training goes on
+            self._disable(exc, f"logging step {step}")
+            return
         if self.run is not None:
             self.run.upload()  # object storage: at most every upload_every_s seconds; locally nothing
 
@@ -115,9 +153,37 @@ class RunLogger:
         self._active = False
         try:
             self._close(ok)
+        except Exception as exc:  # the last flush failed: the same policy, the fit's own outcome stands
+            self._disable(exc, "closing its run")
         finally:
             if self.run is not None:
                 self.run.close()
+
+    def _disable(self, exc: BaseException, during: str) -> None:
+        """Apply the write-failure policy: one warning naming this logger, where it writes and the error;
+        the logger then writes nothing more in this fit (its files are closed as far as they can be)."""
+        first = self.failure is None
+        self.failure = exc
+        if self._active:
+            self._active = False
+            with contextlib.suppress(Exception):  # the files are broken already: close what can be
+                self._close(False)
+            if self.run is not None:
+                self.run.close()
+        if first:
+            warnings.warn(
+                f"{type(self).__name__} could not write to {self.location()} while {during} "
+                f"({type(exc).__name__}: {_first_line(exc)}); it is disabled for the rest of this run and "
+                "training goes on (checkpoints are not affected; the other loggers keep writing)",
+                LoggerWriteWarning,
+                stacklevel=2,
+            )
+
+    def location(self) -> str:
+        """Where this logger writes, for messages: its run directory (subclasses name their own)."""
+        if self.path is not None:
+            return str(self.path)
+        return str(self.run.root) if self.run is not None else "its destination"
 
     # -- implemented by each logger ------------------------------------------ #
     def _start(self, trainer: Any, metadata: dict[str, Any]) -> None:

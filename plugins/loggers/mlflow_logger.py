@@ -15,8 +15,11 @@ declaration, versions) as the artifact ``unison/run.json``. The run ends
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ._base import RunLogger, require
@@ -82,14 +85,33 @@ class MLflowLogger(RunLogger):
             client.log_batch(self.run_id, params=params[i : i + _BATCH])
         client.log_dict(self.run_id, metadata, "unison/run.json")
 
+    def location(self) -> str:
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "MLflow's default store"
+        return f"the MLflow tracking store {uri}" + (f" (run {self.run_id})" if self.run_id else "")
+
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-        for i in range(0, len(batch), 1000):  # MLflow's limit on metrics per log_batch
-            self._client.log_batch(self.run_id, metrics=batch[i : i + 1000])
+        with _errors_reported_by_unison():
+            for i in range(0, len(batch), 1000):  # MLflow's limit on metrics per log_batch
+                self._client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
     def _close(self, ok: bool) -> None:
         if self._client is not None and self.run_id is not None:
-            self._client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+            with _errors_reported_by_unison():
+                self._client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+@contextlib.contextmanager
+def _errors_reported_by_unison() -> Iterator[None]:
+    """MLflow logs a store error with its traceback before raising it; the raised error is the one the
+    write-failure policy reports (once), so MLflow's own error log is held back during these calls."""
+    log = logging.getLogger("mlflow")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)

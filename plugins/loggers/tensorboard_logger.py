@@ -15,12 +15,42 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import weakref
 from typing import Any
 
 from ._base import RunLogger, require
 from ._run import RunDirectory
 
 SUBDIR = "tensorboard"
+
+#: TensorBoard writer threads whose uncaught exceptions the logger reports itself.
+_QUIET_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_previous_hook: Any = None
+
+
+_in_hook = threading.local()
+
+
+def _quiet_hook(args: Any) -> None:
+    if args.thread in _QUIET_THREADS and isinstance(args.exc_value, Exception):
+        return  # surfaces again in the logging call, which reports it once
+    if getattr(_in_hook, "on", False) or _previous_hook is None:  # a hook chained back to this one
+        threading.__excepthook__(args)
+        return
+    _in_hook.on = True
+    try:
+        _previous_hook(args)
+    finally:
+        _in_hook.on = False
+
+
+def _install_quiet_hook() -> None:
+    """Chain :func:`_quiet_hook` in front of ``threading.excepthook`` (once per process)."""
+    global _previous_hook
+    if threading.excepthook is not _quiet_hook:
+        _previous_hook = threading.excepthook
+        threading.excepthook = _quiet_hook
 
 
 class TensorBoardLogger(RunLogger):
@@ -44,10 +74,19 @@ class TensorBoardLogger(RunLogger):
         resume_step = self.run.resume_step if self.run is not None else None
         # A run continuing its own version: TensorBoard drops the events after the resumed step.
         purge = resume_step + 1 if resume_step is not None else None
+        before = set(threading.enumerate())
         self._writer = SummaryWriter(log_dir=str(self.path / SUBDIR), flush_secs=self.flush_secs, purge_step=purge)
+        # The writer's background thread re-raises a write error (a full disk) after handing it to the next
+        # add_scalar call, where the write-failure policy reports it once; its own traceback would be a
+        # second, raw report, so it is not printed for the threads this writer started.
+        _QUIET_THREADS.update(set(threading.enumerate()) - before)
+        _install_quiet_hook()
         text = json.dumps(metadata, indent=2, sort_keys=True, default=str)
         # Markdown code block: the text plugin renders it verbatim.
         self._writer.add_text("run/metadata", "```\n" + text + "\n```", global_step=0)
+
+    def location(self) -> str:
+        return str(self.path / SUBDIR) if self.path is not None else super().location()
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():
