@@ -19,7 +19,13 @@ reference. So their runs carry a probe, recorded on every rank around ``fit``:
   :data:`MIN_RECOMPUTE_RATIO` is required.
 
 A probe that does not see its feature fails the scenario with a
-:class:`~unison.conformance.verdict.Divergence` of kind ``feature``.
+:class:`~unison.conformance.verdict.Divergence` of kind ``feature``. A strategy
+whose declaration refuses the feature is refused the run before any process
+group and the scenario is *declared out* with the declared reason, never probed:
+so is a strategy written for plugin API 2.0 that overrides ``setup``, whose
+declaration refuses both features because its ``setup`` runs no
+``apply_features`` ("the strategy overrides setup and does not apply features",
+:mod:`unison.contract.compat`).
 """
 
 from __future__ import annotations
