@@ -3,7 +3,7 @@
 One index per shard file, built once by reading the shard through and cached as a small JSON object::
 
     {"format": "jsonl", "url": "s3://bucket/train/part-0.jsonl", "version": {"etag": "\\"9b2c...\\""},
-     "count": 3, "starts": [0, 48, 97], "ends": [47, 96, 141]}
+     "count": 3, "starts": [0, 48, 97], "ends": [47, 96, 141], "crcs": [2781623318, 93385012, 4034717530]}
 
 * ``jsonl`` (uncompressed): ``starts``/``ends`` are each record's byte range (its newline excluded, blank
   lines skipped), so one record is one range read.
@@ -14,6 +14,11 @@ One index per shard file, built once by reading the shard through and cached as 
   included, and ``members`` lists ``[extension, data offset within the span, size]`` per member.
 * ``parquet``: ``row_groups`` is the row count of each row group (from the footer alone); a row group
   is the smallest unit Parquet can read.
+
+``crcs`` is the CRC-32 of each record's bytes (JSON lines, tar samples, decompressed records), checked at
+every read: a shard rewritten while a run reads it (even with the same size and mtime) is refused at its
+first changed record, whatever the read-ahead, instead of yielding samples of two versions. Parquet row
+groups have no per-record bytes: the shard's version is checked again after every row group read.
 
 ``version`` is the object's identity when the index was built: its ETag where the file system reports one
 (S3), else its modification time and size. An index whose version is not the shard's current one is
@@ -31,6 +36,7 @@ import json
 import os
 import tarfile
 import tempfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +91,21 @@ class ShardIndex:
     ends: list[int] = field(default_factory=list)
     members: list[list[list[Any]]] = field(default_factory=list)
     row_groups: list[int] = field(default_factory=list)
+    crcs: list[int] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Whether it holds every record's CRC (an index cached by an earlier unison lacks them: rebuilt)."""
+        return self.format == "parquet" or len(self.crcs) == self.count
+
+    def check(self, pos: int, record: bytes | memoryview) -> None:
+        """Refuse ``record`` (record ``pos``, as read now) unless it is the bytes that were indexed."""
+        if self.crcs and zlib.crc32(record) != self.crcs[pos]:
+            raise ShardError(
+                f"{self.url} changed while this run read it: record {pos} (bytes {self.starts[pos]}-"
+                f"{self.ends[pos]}) is not what the index read from its version {self.version}; refusing to mix "
+                "samples of two versions (rewrite shards under new names, or build the dataset again to re-index)"
+            )
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, separators=(",", ":"))
@@ -176,15 +197,35 @@ def build_index(fs: Any, path: str, url: str, fmt: str, version: dict[str, Any])
     with fs.open(path, "rb", block_size=SCAN_BLOCK) as f:
         if fmt == "tar":
             starts, ends, members = _tar_index(f, url)
-            return ShardIndex(fmt, url, version, len(starts), starts, ends, members)
+            f.seek(0)  # a second pass for the samples' CRCs (the tar reader streams past their bytes)
+            crcs = _span_crcs(f, starts, ends)
+            return ShardIndex(fmt, url, version, len(starts), starts, ends, members, crcs=crcs)
         if fmt == "jsonl":
             starts, ends = line_ranges(f)
+            f.seek(0)
+            crcs = _span_crcs(f, starts, ends)
         else:
             try:
-                starts, ends = line_ranges(decompressor(fmt)(f.read()))
+                data = decompressor(fmt)(f.read())
             except (OSError, EOFError, ValueError) as exc:  # gzip.BadGzipFile is an OSError
                 raise ShardError(f"{url}: cannot decompress ({type(exc).__name__}: {exc})") from None
-    return ShardIndex(fmt, url, version, len(starts), starts, ends)
+            starts, ends = line_ranges(data)
+            crcs = [zlib.crc32(data[a:b]) for a, b in zip(starts, ends)]
+    return ShardIndex(fmt, url, version, len(starts), starts, ends, crcs=crcs)
+
+
+def _span_crcs(f: Any, starts: list[int], ends: list[int]) -> list[int]:
+    """The CRC-32 of each ``[start, end)`` span of the file ``f`` (sorted, non-overlapping), read sequentially."""
+    crcs, offset, block = [], 0, b""
+    for start, end in zip(starts, ends):
+        while offset + len(block) < end:  # extend the window until it holds the span
+            more = f.read(SCAN_BLOCK)
+            if not more:
+                break
+            keep = max(0, start - offset)
+            block, offset = block[keep:] + more, offset + keep
+        crcs.append(zlib.crc32(block[start - offset : end - offset]))
+    return crcs
 
 
 class IndexCache:

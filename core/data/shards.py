@@ -30,10 +30,12 @@ run's neighbours always).
 Failures: a missing or unreadable shard, or a record that does not parse, is a :class:`ShardError`
 naming the shard URL, the position in the shard and the global sample index. A shard whose version
 changed since its index was built is re-indexed (``on_change="reindex"``, with a warning) or refused
-(``on_change="error"``) when the dataset is built, and refused when a process first reads it: samples
-of two versions are never mixed. Transient object-storage errors are retried with the checkpoints'
-bounded backoff (``UNISON_STORAGE_RETRY_S``) and counted in :attr:`ReadStats.retries` (summed over the
-loader's workers; the trainer logs it as ``data/retries``).
+(``on_change="error"``) when the dataset is built, and refused when a process first reads it: samples of
+two versions are never mixed; a shard rewritten *while* a run reads it is refused at its first record
+whose bytes are not the CRC-32 its index holds (every record is checked as it is read, read ahead or
+not; Parquet row groups by the shard's version after each read). Transient object-storage errors are
+retried with the checkpoints' bounded backoff (``UNISON_STORAGE_RETRY_S``) and counted in
+:attr:`ReadStats.retries` (summed over the loader's workers; the trainer logs it as ``data/retries``).
 """
 
 from __future__ import annotations
@@ -218,13 +220,13 @@ class ShardedDataset(Dataset):
         url = fs.unstrip_protocol(path)
         version = version_of(info)
         cached = cache.load(url)
-        if cached is not None and cached.version == version:
+        if cached is not None and cached.version == version and cached.complete:
             return path, cached
         with cache.building(url):  # one process of a job builds it; the others wait, then load it
             cached = cache.load(url)
-            if cached is not None and cached.version == version:
+            if cached is not None and cached.version == version and cached.complete:
                 return path, cached
-            if cached is not None:
+            if cached is not None and cached.version != version:
                 if self.on_change == "error":
                     raise ShardError(
                         f"{url} changed since its index was built (was {cached.version}, now {version}); "
@@ -336,11 +338,13 @@ class ShardedDataset(Dataset):
         self.stats.add(bytes=sum(len(blob) for blob in blobs), requests=len(blobs))
         records = {}
         for (shard, start, _, members), blob in zip(spans, blobs):
+            index = self.shards[shard][1]
             for (_, pos), _, lo, hi in members:
                 if hi - start > len(blob):
-                    url = self.shards[shard][1].url
-                    raise ShardError(f"{url}: record {pos} ends past the end of the shard (truncated)")
+                    raise ShardError(f"{index.url}: record {pos} ends past the end of the shard (truncated)")
                 records[shard, pos] = blob[lo - start : hi - start]
+                # Every record, read ahead or not: the bytes indexed, or the run stops naming the shard.
+                index.check(pos, records[shard, pos])
         return records
 
     def _from_block(self, shard: int, pos: int) -> Any:
@@ -358,6 +362,10 @@ class ShardedDataset(Dataset):
         block = self._blocks.get(key)
         if block is None:
             block = self._retrying("read", index.url, lambda: self._load_block(path, index, key[1]))
+            if index.format == "parquet":
+                # A row group has no per-record CRC: the shard's version, checked after each row group read.
+                self._verified.discard(shard)
+                self._check_version(shard)
             self._blocks[key] = block
             while len(self._blocks) > self.cache_blocks:
                 self._blocks.popitem(last=False)
@@ -365,7 +373,9 @@ class ShardedDataset(Dataset):
             self._blocks.move_to_end(key)
         if index.format == "parquet":
             return (shard, pos, block[row])
-        return (shard, pos, block[index.starts[pos] : index.ends[pos]])
+        record = block[index.starts[pos] : index.ends[pos]]
+        index.check(pos, record)
+        return (shard, pos, record)
 
     def _load_block(self, path: str, index: ShardIndex, group: int) -> Any:
         fs = self.filesystem()
