@@ -63,6 +63,11 @@ class MetricsLog:
         self._pending = {}
         self.emit(metrics)
 
+    def keep(self, metrics: Mapping[str, Any]) -> None:
+        """Metrics sent with the next logging step's, or with the fit's last (a checkpoint's time and size:
+        the save at the end of a fit then adds no ``unison_log_metrics`` call of its own)."""
+        self._pending.update(metrics)
+
     def flush(self) -> None:
         """Send the user metrics still kept (the fit's end: no logging step follows)."""
         if self._pending:

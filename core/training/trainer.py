@@ -548,10 +548,15 @@ class Trainer:
             self._loop.nonfinite.resolve()
         started = time.perf_counter()
         path = self._checkpoints.save()
-        # The save's wall time on this rank (written, hashed, committed) and the checkpoint's bytes.
-        self.log({"checkpoint/save_time_s": time.perf_counter() - started})
+        # The save's wall time on this rank (written, hashed, committed) and the checkpoint's bytes; during a
+        # fit they go with the next logging step's metrics (or the fit's last), outside one at once.
+        saved = {"checkpoint/save_time_s": time.perf_counter() - started}
         if self.checkpointer.last_bytes is not None:
-            self.log({"checkpoint/size_bytes": float(self.checkpointer.last_bytes)})
+            saved["checkpoint/size_bytes"] = float(self.checkpointer.last_bytes)
+        if self._world is not None:
+            self._metrics.keep(saved)
+        else:
+            self.log(saved)
         retries = getattr(self.checkpointer.storage, "retries", None)
         if retries is not None:  # object storage: calls retried after transient failures, so far in this run
             self.log({"checkpoint/storage_retries": float(retries)})
