@@ -77,12 +77,14 @@ class Admission:
         run, own_run = self.lease_run = self.lease_identity(request)
         probe = c.root / f".write-probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
+            # Links planted at unison's names: named now, before anything is written (never followed later).
+            c.refuse_planted_links()
             # (reading the lease makes its guard file: a root that cannot be a directory fails here, as unwritable)
             if c.lease.refuse_if_held(run if own_run else None):
                 # Nobody live writes here, so what interrupted saves left is garbage: removed *before* the
                 # probe, or a disk that a crashed save filled would refuse the very resume that cleans it.
                 c.clean_partials()
-            c.storage.make_dir(c.root)
+            c.storage.make_root(c.root)
             try:
                 c.storage.write_text(probe, "probe", sync=False)
             finally:

@@ -65,7 +65,16 @@ from unison.checkpointing.manifest import (
     utc_now,
     verify,
 )
-from unison.checkpointing.paths import LATEST, STEP_NAME, rng_file, same_dir, step_dir_name
+from unison.checkpointing.nofollow import PlantedLinkError
+from unison.checkpointing.paths import (
+    LATEST,
+    STEP_NAME,
+    TEMPORARY,
+    is_unison_name,
+    rng_file,
+    same_dir,
+    step_dir_name,
+)
 from unison.checkpointing.resume import CkptPath, ResumeKind, ResumeRequest
 from unison.checkpointing.safe_io import decode_rng, dumps, encode_rng, loads
 from unison.checkpointing.storage import LocalStorage, open_storage
@@ -297,7 +306,7 @@ class Checkpointer:
     # ======================================================================= #
     def _begin(self, partial: Path, step: int) -> None:
         try:
-            self.storage.make_dir(self.root)
+            self.storage.make_root(self.root)
             self.clean_partials()  # leftovers of interrupted saves: never committed, and this run holds the lease
             self.storage.make_dir(partial)
         except OSError as exc:
@@ -359,10 +368,24 @@ class Checkpointer:
         for name in self.storage.list_dir(self.root):
             if name.startswith(".") and name.endswith(".partial"):
                 self._remove(self.root / name)
-            elif name.startswith(".write-probe-"):  # left by older versions when the probe write failed
+            elif name.startswith(".write-probe-") or TEMPORARY.match(name):
+                # a probe older versions left when its write failed; a replace's temporary a kill left
                 self.storage.remove_file(self.root / name)
         for name in self.storage.interrupted_commits(self.root):
             self._remove(self.root / name)
+
+    def refuse_planted_links(self) -> None:
+        """Refuse (:class:`~unison.checkpointing.nofollow.PlantedLinkError`, exit 2) a symbolic link at any
+        name unison writes, replaces or removes under the root (:func:`~unison.checkpointing.paths.is_unison_name`).
+
+        Checked before a run starts, so a planted ``.step-N.partial`` or
+        ``.latest.tmp`` is named at once; the storage's no-follow writes
+        refuse one planted later. The link is not removed: unison did not
+        make it.
+        """
+        links = self.storage.planted_links(self.root, is_unison_name)
+        if links:
+            raise PlantedLinkError(links[0])
 
     def _prune(self, keep: Path) -> None:
         """Keep the newest ``keep_last_n`` commits of this run; never ``keep`` nor ``latest``'s target."""

@@ -24,16 +24,26 @@ warning naming the old owner and why):
   crashed job: taken over at once, e.g. by ``--resume auto`` after a crash);
 * its heartbeat is older than its ``ttl`` (``UNISON_LEASE_TTL`` seconds,
   default 60): a holder on another host that died, or lost its storage;
-* it was released (a finished run deletes it; a record left half-written is
-  treated the same).
+* it was released (a finished run deletes it);
+* its record cannot be judged (:meth:`Holder.parse`): not JSON, truncated,
+  empty, not an object, a field missing or of the wrong type (``pid`` null or
+  ``"1"``, ``heartbeat`` ``"now"``), a time that is NaN or infinite, a
+  heartbeat or start more than :data:`CLOCK_SKEW_S` in the future, a ttl
+  not above 0 or above :data:`MAX_TTL_S`. unison replaces its record in one
+  rename under a lock, so no live unison job leaves such a record; a lock that
+  could never expire (a heartbeat in the year 2255, a ttl of 1e308) is not a
+  lock. The warning names what was wrong with the record.
 
-A run that resumes its own run (``ckpt_path="auto"``/``"last"``, or a
-checkpoint inside the directory, as :class:`~unison.checkpointing.resume.ResumeRequest`
-reads it, on a directory whose newest commit belongs to the run named in the
-lease; the checkpointer passes ``own_run``) waits up
-to ``ttl`` for a holder on another host to stop heartbeating before it gives
-up: that is the run's own crashed attempt taking its lease back. Any other
-live holder is refused at once with a :class:`~unison.errors.ConfigurationError`
+A holder on *this* host whose pid is alive is refused at once, whatever it
+runs (``unison train --resume auto`` while the same run still trains here is
+refused in seconds, naming its pid). A run that resumes its own run
+(``ckpt_path="auto"``/``"last"``, or a checkpoint inside the directory, as
+:class:`~unison.checkpointing.resume.ResumeRequest` reads it, on a directory
+whose newest commit belongs to the run named in the lease; the checkpointer
+passes ``own_run``) waits up to ``ttl`` for a holder of that run on *another*
+host to stop heartbeating before it gives up: that is the run's own crashed
+attempt taking its lease back, and only the heartbeat can tell. Any other live
+holder is refused at once with a :class:`~unison.errors.ConfigurationError`
 (exit code 2) that names it.
 
 Where it is taken, and why there. The trainer checks the lease twice:
@@ -60,6 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import socket
 import threading
@@ -76,6 +87,10 @@ from unison.errors import ConfigurationError, UnisonError
 LEASE = ".unison-lease"
 #: Seconds without a heartbeat after which a lease is stale (``UNISON_LEASE_TTL`` overrides).
 DEFAULT_TTL_S = 60.0
+#: The largest ttl a record may name (one day); above it the record is invalid, never a lock for ever.
+MAX_TTL_S = 86_400.0
+#: How far in the future a heartbeat (or start) may lie: clocks of hosts sharing storage differ a little.
+CLOCK_SKEW_S = 300.0
 
 
 class LeaseLostError(UnisonError):
@@ -87,7 +102,31 @@ class LeaseWarning(UserWarning):
 
 
 def lease_ttl() -> float:
-    return float(os.environ.get("UNISON_LEASE_TTL", DEFAULT_TTL_S))
+    """``UNISON_LEASE_TTL`` (seconds, above 0 and at most :data:`MAX_TTL_S`), else :data:`DEFAULT_TTL_S`."""
+    text = os.environ.get("UNISON_LEASE_TTL")
+    if text is None:
+        return DEFAULT_TTL_S
+    try:
+        ttl = float(text)
+    except ValueError:
+        ttl = math.nan
+    if not 0 < ttl <= MAX_TTL_S:  # (NaN fails too)
+        raise ConfigurationError(
+            "UNISON_LEASE_TTL", f"got {text!r}", f"set seconds above 0 and at most {MAX_TTL_S:.0f}, or unset it"
+        )
+    return ttl
+
+
+#: The fields of a record and their types (``bool`` is refused where a number is asked: JSON ``true`` is no pid).
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "owner": str,
+    "run": str,
+    "host": str,
+    "pid": int,
+    "started": (int, float),
+    "heartbeat": (int, float),
+    "ttl": (int, float),
+}
 
 
 @dataclass(frozen=True)
@@ -112,19 +151,64 @@ class Holder:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Holder | None:
+        """The record in ``data``, or ``None`` when it cannot be judged (:meth:`parse` says why)."""
+        return cls.parse(data)[0]
+
+    @classmethod
+    def parse(cls, data: bytes, now: float | None = None) -> tuple[Holder | None, str | None]:
+        """``(holder, None)`` for a record that can be judged, ``(None, what is wrong)`` otherwise.
+
+        Every field is checked for its type and range before any is used, so
+        a record written by hand, by another program, or cut short never
+        raises: unknown extra fields are ignored (a newer version's), missing
+        or mistyped ones, NaN or infinite times, times more than
+        :data:`CLOCK_SKEW_S` ahead and ttls outside ``(0, MAX_TTL_S]`` make
+        the record invalid.
+        """
+        now = time.time() if now is None else now
+        if not data.strip():
+            return None, "it is empty"
         try:
-            return cls(**json.loads(data))
-        except (ValueError, TypeError):
-            return None
+            record = json.loads(data)
+        except (ValueError, RecursionError):
+            return None, f"it is not JSON ({len(data)} bytes, truncated or garbled)"
+        if not isinstance(record, dict):
+            return None, f"it is JSON {json.dumps(record)[:40]}, not an object"
+        for name, kind in _FIELDS.items():
+            value = record.get(name)
+            if name not in record or isinstance(value, bool) or not isinstance(value, kind):
+                return None, f"its {name} is {json.dumps(value)[:40] if name in record else 'missing'}"
+        holder = cls(**{name: record[name] for name in _FIELDS})
+        return (None, problem) if (problem := holder._invalid(now)) else (holder, None)
+
+    def _invalid(self, now: float) -> str | None:
+        """What makes the values of a well-typed record impossible, or ``None``."""
+        if not 0 < self.pid < 1 << 31:  # (a pid_t; os.kill would overflow on more)
+            return f"its pid is {self.pid}"
+        for name in ("started", "heartbeat", "ttl"):
+            if not math.isfinite(getattr(self, name)):
+                return f"its {name} is {getattr(self, name)}"
+        if not 0 < self.ttl <= MAX_TTL_S:
+            return f"its ttl of {self.ttl:g} s is not above 0 and at most {MAX_TTL_S:.0f} s"
+        for name in ("heartbeat", "started"):
+            if getattr(self, name) > now + CLOCK_SKEW_S:
+                ahead = getattr(self, name) - now
+                return f"its {name} lies {ahead:.0f} s in the future (clocks may differ by {CLOCK_SKEW_S:.0f} s)"
+        return None
 
     def describe(self, now: float | None = None) -> str:
-        age = (now or time.time()) - self.heartbeat
+        age = max(0.0, (now or time.time()) - self.heartbeat)  # (a clock a little ahead: "0 s ago")
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.started))
         return f"run {self.run} (pid {self.pid} on host {self.host}, started {started}, last heartbeat {age:.0f} s ago)"
 
+    @property
+    def on_this_host(self) -> bool:
+        """Whether the holder ran on this host (its pid then tells whether it lives)."""
+        return self.host == socket.gethostname()
+
     def stale(self, now: float) -> str | None:
         """Why this lease may be taken over, or ``None`` while its holder may be alive."""
-        if self.host == socket.gethostname() and not _pid_alive(self.pid):
+        if self.on_this_host and not _pid_alive(self.pid):
             return f"its process {self.pid} on this host is gone"
         if now - self.heartbeat > self.ttl:
             return f"no heartbeat for {now - self.heartbeat:.0f} s (ttl {self.ttl:.0f} s)"
@@ -148,12 +232,22 @@ class Lease:
 
     # -- reading ------------------------------------------------------------ #
     def holder(self) -> tuple[Holder | None, str] | None:
-        """``(holder, version)`` of the current record (holder ``None`` if unreadable), ``None`` when free."""
+        """``(holder, version)`` of the current record (holder ``None`` if invalid), ``None`` when free."""
+        found = self.read()
+        return None if found is None else (found[0], found[1])
+
+    def read(self) -> tuple[Holder | None, str, str | None] | None:
+        """``(holder, version, what is wrong)`` of the current record, ``None`` when there is none.
+
+        ``holder`` is ``None`` exactly when the record cannot be judged; the
+        third item then says why (:meth:`Holder.parse`).
+        """
         found = self.storage.read_versioned(self.path)
         if found is None:
             return None
         data, version = found
-        return Holder.from_bytes(data), version
+        holder, problem = Holder.parse(data)
+        return holder, version, problem
 
     def refuse_if_held(self, own_run: str | None = None) -> bool:
         """Refuse (ConfigurationError) when a live job holds the lease; ``True`` when no live job holds it.
@@ -169,7 +263,7 @@ class Lease:
         holder, _ = current
         if holder is None or holder.owner == self.owner or holder.stale(time.time()) is not None:
             return True
-        if own_run is not None and holder.run == own_run:
+        if own_run is not None and holder.run == own_run and not holder.on_this_host:
             return False
         raise self._refusal(holder)
 
@@ -179,33 +273,32 @@ class Lease:
 
         ``own_run``: this run resumes ``run``; a holder of the same run whose
         liveness cannot be judged (another host) is waited out for up to
-        ``ttl`` seconds instead of refused.
+        ``ttl`` seconds instead of refused. A holder on this host with a live
+        pid is refused at once: its pid says it runs. A record that cannot be
+        judged is taken over with a :class:`LeaseWarning` naming what was
+        wrong with it.
         """
         deadline = time.monotonic() + self.ttl + 5.0
         while True:
             now = time.time()
             mine = Holder(self.owner, run, socket.gethostname(), os.getpid(), now, now, self.ttl)
-            current = self.holder()
+            current = self.read()
             if current is None:
                 version = self.storage.write_if(self.path, mine.to_bytes(), None)
                 if version is not None:
                     return self._hold(mine, version)
                 continue  # another job created it first: judge that one
-            holder, version = current
-            reason = "its record is unreadable" if holder is None else holder.stale(now)
+            holder, version, invalid = current
+            reason = f"its record is invalid: {invalid}" if holder is None else holder.stale(now)
             if reason is not None:
                 new_version = self.storage.write_if(self.path, mine.to_bytes(), version)
                 if new_version is None:
                     continue  # changed under us: judge the new record
-                if holder is not None:
-                    warnings.warn(
-                        f"took over the stale lease on {self.root} of {holder.describe(now)}: {reason}",
-                        LeaseWarning,
-                        stacklevel=2,
-                    )
+                whose = f"of {holder.describe(now)}" if holder is not None else f"({self.path})"
+                warnings.warn(f"took over the stale lease on {self.root} {whose}: {reason}", LeaseWarning, stacklevel=2)
                 return self._hold(mine, new_version)
             assert holder is not None
-            if own_run and holder.run == run and time.monotonic() < deadline:
+            if own_run and holder.run == run and not holder.on_this_host and time.monotonic() < deadline:
                 time.sleep(1.0)  # our own run's earlier attempt, maybe dead on another host: wait for its ttl
                 continue
             raise self._refusal(holder)
@@ -259,12 +352,21 @@ class Lease:
                 self._record, self._version = record, version
 
     def _refusal(self, holder: Holder) -> ConfigurationError:
+        if holder.on_this_host:  # its pid is alive here: it is running (or it is another process with that pid)
+            fix = (
+                f"let that job finish or stop it (pid {holder.pid} on this host), or give this run its own "
+                "checkpoint_dir; a lease whose process has ended is taken over at once"
+            )
+        else:
+            fix = (
+                "let that job finish, or give this run its own checkpoint_dir; if that job is dead on another host, "
+                f"its lease expires {holder.ttl:.0f} s after its last heartbeat and is then taken over"
+            )
         return ConfigurationError(
             "checkpoint_dir",
             f"{self.root} is being written by another job: {holder.describe()}; "
             "a checkpoint directory has one writer at a time",
-            "let that job finish, or give this run its own checkpoint_dir; if that job is dead on another host, "
-            f"its lease expires {holder.ttl:.0f} s after its last heartbeat and is then taken over",
+            fix,
         )
 
 

@@ -19,6 +19,18 @@ a scheme a plugin registered through the ``unison_storage_backends`` hook,
 ``s3://`` among them) into its root path and storage; an unregistered scheme
 is a :class:`~unison.errors.ConfigurationError` naming the registered ones,
 before anything is written.
+
+Symbolic links. No write or delete of :class:`LocalStorage` follows a link:
+new files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` (temporaries
+under a fresh random name, then ``os.replace``-d onto the final name, which
+replaces the name itself), existing files are opened with ``O_NOFOLLOW``, and
+a directory it makes, commits or removes must be a real directory. A link
+found at such a name is refused with a
+:class:`~unison.checkpointing.nofollow.PlantedLinkError` that names
+it and its target; unison deletes neither the link nor its target (it did not
+make the link, so the person who did decides). The one link followed is the
+root itself (``checkpoint_dir``, the run directory's root): a name the user
+gave, see :meth:`LocalStorage.make_root`.
 """
 
 from __future__ import annotations
@@ -29,10 +41,17 @@ import hashlib
 import os
 import re
 import shutil
+import sys
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from unison.checkpointing.nofollow import (
+    open_nofollow,
+    refuse_link,
+    replace_atomically,
+)
 from unison.errors import ConfigurationError, UnisonError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,6 +60,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 class StorageUnavailableError(UnisonError):
     """Object storage did not answer within unison's retry budget; the message names the object and endpoint."""
+
+
+class StorageWarning(UserWarning):
+    """A clean-up that could not finish (a directory that could not be removed); training goes on."""
 
 
 #: Bytes read at a time while hashing: large enough to keep sha256 busy.
@@ -102,12 +125,27 @@ class LocalStorage:
         return path.read_bytes()
 
     # -- writes ------------------------------------------------------------- #
+    def make_root(self, path: Path) -> None:
+        """Make the root the user named (``checkpoint_dir``); a symbolic link there is theirs and is followed.
+
+        Every directory *under* the root is made with :meth:`make_dir`, which
+        refuses links.
+        """
+        if os.path.islink(path) and os.path.isdir(path):
+            return
+        self.make_dir(path)
+
     def make_dir(self, path: Path) -> None:
+        """Make ``path`` (and its parents); an existing real directory is fine, a symbolic link is refused."""
+        refuse_link(path)
         path.mkdir(parents=True, exist_ok=True)
+        refuse_link(path)  # (planted between the check and the mkdir, which accepts it)
 
     def write_bytes(self, path: Path, data: bytes, *, sync: bool = True) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as f:
+        """Write a file (made or truncated); its directory is made if missing; a link at ``path`` is refused."""
+        if not path.parent.is_dir():
+            self.make_dir(path.parent)
+        with os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
             f.write(data)
             if sync:
                 f.flush()
@@ -117,15 +155,25 @@ class LocalStorage:
         self.write_bytes(path, text.encode(), sync=sync)
 
     def replace_file(self, path: Path, text: str) -> None:
-        """Write ``text`` to ``path`` atomically: readers see the old or the new content, never a mix."""
-        tmp = path.with_name(f".{path.name}.tmp")
-        self.write_text(tmp, text)
-        os.replace(tmp, path)
+        """Write ``text`` to ``path`` atomically: readers see the old or the new content, never a mix.
+
+        The temporary is a fresh random name made exclusively (:func:`replace_atomically`);
+        a link at ``path`` itself is refused.
+        """
+        replace_atomically(path, text.encode())
         self._sync_dir(path.parent)
 
     def commit_dir(self, src: Path, dst: Path) -> None:
-        """Publish the finished directory ``src`` as ``dst`` in one atomic step (``dst`` must not exist)."""
-        if dst.exists():
+        """Publish the finished directory ``src`` as ``dst`` in one atomic step (``dst`` must not exist).
+
+        ``src`` must be a real directory: a link planted at a partial name is
+        refused, never renamed into place.
+        """
+        refuse_link(src)
+        if not src.is_dir():
+            raise NotADirectoryError(f"{src} is not a directory; nothing to commit")
+        if os.path.lexists(dst):
+            refuse_link(dst)
             raise FileExistsError(f"refusing to commit over {dst}")
         os.rename(src, dst)
         self._sync_dir(dst.parent)
@@ -135,12 +183,40 @@ class LocalStorage:
         return []
 
     def remove_file(self, path: Path) -> None:
-        """Delete one file (missing is fine)."""
+        """Delete one file (missing is fine); a link there is refused, neither it nor its target is deleted."""
+        refuse_link(path)
         path.unlink(missing_ok=True)
 
     def remove_tree(self, path: Path) -> None:
-        """Delete a directory and everything under it (missing is fine)."""
-        shutil.rmtree(path, ignore_errors=True)
+        """Delete a directory and everything under it (missing is fine).
+
+        A link at ``path`` is refused (:class:`PlantedLinkError`): neither it
+        nor its target is deleted. Links *inside* the tree are unlinked, never
+        followed (``shutil.rmtree``). Anything else that cannot be removed is
+        a :class:`StorageWarning` naming it, and the caller goes on: a
+        leftover directory costs space, not correctness.
+        """
+        refuse_link(path)
+        failures: list[str] = []
+
+        def failed(function: Any, name: str, exc_info: Any) -> None:
+            if not isinstance(exc_info[1], FileNotFoundError):
+                failures.append(f"{name}: {exc_info[1]}")
+
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=lambda function, name, exc: failed(function, name, (None, exc, None)))
+        else:
+            shutil.rmtree(path, onerror=failed)
+        if failures:
+            warnings.warn(f"could not remove all of {path}: {'; '.join(failures[:3])}", StorageWarning, stacklevel=2)
+
+    def planted_links(self, root: Path, names: Callable[[str], bool]) -> list[Path]:
+        """Entries directly under ``root`` for which ``names(name)`` holds and that are symbolic links."""
+        try:
+            entries = list(os.scandir(root))
+        except OSError:
+            return []  # missing, or not a local directory
+        return sorted(root / e.name for e in entries if names(e.name) and e.is_symlink())
 
     # -- conditional writes (the lease, :mod:`unison.checkpointing.lease`) ----------------- #
     # A version is an opaque token for one content of a file: here its sha256;
@@ -157,12 +233,7 @@ class LocalStorage:
             current = self._read_versioned(path)
             if (current[1] if current else None) != version:
                 return None
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            try:
-                self.write_bytes(tmp, data)
-                os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)
+            replace_atomically(path, data)
             self._sync_dir(path.parent)
             return hashlib.sha256(data).hexdigest()
 
@@ -176,16 +247,19 @@ class LocalStorage:
             return True
 
     def _read_versioned(self, path: Path) -> tuple[bytes, str] | None:
+        # (O_NOFOLLOW: a link planted at the record's name is refused, not read and then replaced)
         try:
-            data = path.read_bytes()
+            fd = open_nofollow(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
         return data, hashlib.sha256(data).hexdigest()
 
     @contextlib.contextmanager
     def _guard(self, path: Path) -> Iterator[None]:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path.with_name(path.name + ".guard"), os.O_RDWR | os.O_CREAT, 0o644)
+        self.make_root(path.parent)
+        fd = open_nofollow(path.with_name(path.name + ".guard"), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

@@ -63,6 +63,7 @@ imported. A ``[[callbacks]]`` factory must return a plugin object.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -171,8 +172,16 @@ def _problem(err: Any) -> Problem:
     if err["type"] == "missing":
         what = f"[{loc[0]}] section" if len(loc) == 1 else "key"
         return Problem(loc, f"missing {what}", "add it (see unison.config.load for the layout)")
-    got = f" (got {err['input']!r})" if loc else ""
+    got = f" (got {_short(err['input'])})" if loc else ""
     return Problem(loc, err["msg"].removeprefix("Value error, ") + got, "see the documented keys in unison.config.load")
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a wrong value may be a large structure."""
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = limit
+    text = short.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _valid_sections(source: Source, problems: list[Problem]) -> dict[str, Any]:

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from unison.errors import ConfigurationError
 from unison.launch import messages
 from unison.launch.report import summarize_failures, watch_torchrun
+from unison.launch.worker import BOOT
 
 
 def free_port() -> int:
@@ -81,7 +82,9 @@ def run_script(
       refused. With it every attempt gets a fresh store.
     * SIGUSR1 is forwarded to the workers with SIGTERM (SLURM sends it before
       the time limit), so they commit a checkpoint and stop.
-    * Each worker runs the script through :mod:`unison.launch.worker`, which records
+    * Each worker runs the script through :mod:`unison.launch.worker` (started
+      with the working directory off ``sys.path``: only the script's directory,
+      the trust roots and installed packages provide code), which records
       the exception that ends it instead of printing it; the launcher prints
       one report for the job (:func:`unison.launch.report.summarize_failures`): the first real
       failure's message or traceback, one line per other rank, and exits with
@@ -109,8 +112,11 @@ def run_script(
     if not any(a in ("--no-python", "--no_python") for a in torchrun_args):
         as_module = [a for a in torchrun_args if a in ("--module", "-m")]
         torchrun_args = [a for a in torchrun_args if a not in as_module]
-        target = ["unison.launch.worker", *(["--module"] if as_module else []), *target]
-        torchrun_args.append("--module")
+        # The interpreter itself is the "script" (--no-python): torchrun's own `python -m` would put the
+        # working directory first on sys.path; worker.BOOT starts without it (unison.launch.worker says why).
+        python = os.environ.get("PYTHON_EXEC", sys.executable)  # (the variable torchrun honours)
+        target = [python, "-u", "-c", BOOT, *(["--module"] if as_module else []), *target]
+        torchrun_args.append("--no-python")
     argv = [f"--nproc-per-node={nproc}", *torchrun_args]
     run_id = None
     if not any(a.startswith(("--rdzv", "--master", "--nnodes", "--standalone")) for a in torchrun_args):
@@ -200,9 +206,15 @@ class WorldError(RuntimeError):
     """A rank of a spawned world failed; carries that rank's traceback."""
 
 
+#: Set by :func:`spawn` beside ``PYTHONSAFEPATH`` while it starts its ranks; each rank takes both off again.
+_SAFE_PATH_MARK = "UNISON_SPAWN_SAFE_PATH"
+
+
 def _worker(
     rank: int, world_size: int, port: int, out_dir: str, backend: str, fn: Callable[..., Any], args: tuple
 ) -> None:
+    if os.environ.pop(_SAFE_PATH_MARK, None):  # the rank's own children see the environment the caller had
+        os.environ.pop("PYTHONSAFEPATH", None)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -252,8 +264,19 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout: float = 600.0
             ctx.Process(target=_worker, args=(r, nproc, port, out_dir, backend, fn, args), daemon=False)
             for r in range(nproc)
         ]
-        for p in procs:
-            p.start()
+        # Python 3.11+: the ranks' interpreters start without the working directory on sys.path (multiprocessing
+        # runs `python -c ...`, which would put it first while its bootstrap imports; the rank then takes
+        # this process's sys.path).
+        added = "PYTHONSAFEPATH" not in os.environ
+        if added:
+            os.environ.update({"PYTHONSAFEPATH": "1", _SAFE_PATH_MARK: "1"})
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            if added:
+                os.environ.pop("PYTHONSAFEPATH", None)
+                os.environ.pop(_SAFE_PATH_MARK, None)
         deadline = time.monotonic() + timeout
         results: dict[int, tuple[str, Any]] = {}
         try:

@@ -51,6 +51,7 @@ from typing import Any
 
 from unison.checkpointing.admission import resume_point
 from unison.checkpointing.checkpointer import Checkpointer
+from unison.checkpointing.nofollow import refuse_link
 from unison.checkpointing.resume import CkptPath, ResumeKind, ResumeRequest
 from unison.checkpointing.storage import split_url
 from unison.errors import ConfigurationError
@@ -113,10 +114,19 @@ def default_root() -> Path:
 
 
 def versions(root: Path) -> list[tuple[int, Path]]:
-    """``(N, root/version_N)`` for every version directory under ``root``, lowest ``N`` first."""
+    """``(N, root/version_N)`` for every version directory under ``root``, lowest ``N`` first.
+
+    A ``version_N`` that is a symbolic link is refused (a PlantedLinkError naming it): unison makes
+    every version with ``mkdir`` and never writes through a link (:mod:`unison.checkpointing.nofollow`).
+    """
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _VERSION.fullmatch(p.name)) and p.is_dir()]
+    found = []
+    for p in root.iterdir():
+        if (m := _VERSION.fullmatch(p.name)) is not None:
+            refuse_link(p, "root_dir")
+            if p.is_dir():
+                found.append((int(m.group(1)), p))
     return sorted(found)
 
 
@@ -201,6 +211,8 @@ def prepare(trainer: Any, ckpt_path: CkptPath, world_size: int) -> None:
         if inside:
             # Until agree() names the version, the root stands in: writable, and it holds no step directories.
             where = path / CHECKPOINTS if path is not None else check_root(s.root_dir).absolute()
+            if path is not None:
+                refuse_links_in(path)
             trainer.checkpointer = Checkpointer(where, s.keep_last_n_checkpoints)
     if trainer.checkpointer is not None:
         found = resume_step(trainer.checkpointer, ckpt_path)
@@ -218,6 +230,21 @@ def agree(trainer: Any) -> None:
     trainer.run_dir = Path(broadcast(chosen))
     if s.checkpoint_dir is None:
         trainer.checkpointer = Checkpointer(trainer.run_dir / CHECKPOINTS, s.keep_last_n_checkpoints)
+
+
+def refuse_links_in(version: Path) -> None:
+    """Refuse a run directory that a fit continues when anything directly in it is a symbolic link.
+
+    Everything in ``version_N`` (``run.json``, the metrics files, ``checkpoints/``) was made by unison,
+    which makes no links; writing on through one would write outside the run's directories. Checked
+    before training (a PlantedLinkError naming the link, exit code 2).
+    """
+    try:
+        entries = sorted(os.scandir(version), key=lambda e: e.name)
+    except OSError:
+        return  # not made yet
+    for entry in entries:
+        refuse_link(entry.path, "root_dir")
 
 
 def choose_for_workers(settings: Any, ckpt_path: CkptPath) -> None:

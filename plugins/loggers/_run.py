@@ -51,6 +51,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from unison.checkpointing.nofollow import refuse_link, replace_atomically
 from unison.checkpointing.storage import LocalStorage, open_storage, split_url
 from unison.errors import ConfigurationError
 from unison.launch import messages
@@ -178,6 +179,7 @@ class RunDirectory:
             if self.remote is None and run_dir is not None and Path(run_dir).parent == self.root.absolute():
                 # The trainer's own run directory (root_dir): one version holds the run's checkpoints and metrics.
                 self.path = Path(run_dir)
+                refuse_link(self.path, "root_dir")  # a version directory is made by unison, never a link
                 self.path.mkdir(parents=True, exist_ok=True)
                 previous = _read_run_file(self.path)
                 if previous is not None and resumed is not None:
@@ -195,7 +197,9 @@ class RunDirectory:
                     *previous.get("resumes", []),
                     {**(resumed or {}), "at": run_metadata_time(), "command": sys.argv},
                 ]
-            (self.path / RUN_FILE).write_text(json.dumps(self.metadata, indent=2, sort_keys=True, default=str) + "\n")
+            # A fresh temporary renamed onto run.json: never written through a link (unison.checkpointing.nofollow).
+            text = json.dumps(self.metadata, indent=2, sort_keys=True, default=str) + "\n"
+            replace_atomically(self.path / RUN_FILE, text.encode(), "logging.dir", sync=False)
             self._uploaded = {}
             self.upload(final=True)  # claims version_N in object storage before anything is logged
             if getattr(trainer.settings, "progress", "off") != "off":  # an info line: progress="off" silences it

@@ -12,10 +12,13 @@ what the trainer computed. Read a file with :func:`read_csv` or any CSV reader.
 from __future__ import annotations
 
 import csv
+import io
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+from unison.checkpointing.nofollow import open_nofollow, replace_atomically
 
 from ._base import RunLogger
 from ._run import RunDirectory
@@ -54,12 +57,7 @@ class CSVLogger(RunLogger):
                 last = rows.pop()
                 self._row = {k: v for k, v in last.items() if v != ""}
                 self._row["step"] = resume_step
-            tmp = self.file.with_suffix(".csv.tmp")
-            with tmp.open("w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=self._columns, restval="")
-                writer.writeheader()
-                writer.writerows(rows)
-            os.replace(tmp, self.file)
+            self._replace(rows)
             return
         with self.file.open("x", newline="") as f:  # "x": never another run's file
             csv.writer(f).writerow(self._columns)
@@ -84,7 +82,8 @@ class CSVLogger(RunLogger):
         if new:
             self._columns += new
             self._rewrite()
-        with self.file.open("a", newline="") as f:
+        # O_NOFOLLOW: an append never follows a link planted at the file's name (unison.checkpointing.nofollow)
+        with open(open_nofollow(self.file, os.O_WRONLY | os.O_APPEND, "logging.dir"), "a", newline="") as f:
             csv.writer(f).writerow([_cell(row.get(c)) for c in self._columns])
 
     def _rewrite(self) -> None:
@@ -92,12 +91,16 @@ class CSVLogger(RunLogger):
         assert self.file is not None
         with self.file.open(newline="") as f:
             rows = list(csv.DictReader(f))
-        tmp = self.file.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self._columns, restval="")
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, self.file)
+        self._replace(rows)
+
+    def _replace(self, rows: list[dict[str, Any]]) -> None:
+        """The file holds ``rows`` under the current header: a fresh temporary renamed onto it (never a link)."""
+        assert self.file is not None
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self._columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+        replace_atomically(self.file, text.getvalue().encode(), "logging.dir", sync=False)
 
 
 def _cell(value: Any) -> str:

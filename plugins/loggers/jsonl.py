@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from unison.checkpointing.nofollow import open_nofollow, replace_atomically
+
 from ._base import RunLogger
 from ._run import RunDirectory
 
@@ -46,10 +48,10 @@ class JSONLLogger(RunLogger):
         if resume_step is not None and self.file.exists():
             # The run's own file, resumed at resume_step: the steps after it are trained again.
             kept = [line for line in self.file.read_text().splitlines(keepends=True) if _step(line) <= resume_step]
-            tmp = self.file.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(kept))
-            os.replace(tmp, self.file)
-            self._file = self.file.open("a", buffering=1)
+            # (a fresh temporary and a rename, an append that never follows a link: unison.checkpointing.nofollow)
+            replace_atomically(self.file, "".join(kept).encode(), "logging.dir", sync=False)
+            fd = open_nofollow(self.file, os.O_WRONLY | os.O_APPEND, "logging.dir")
+            self._file = open(fd, "a", buffering=1)  # noqa: SIM115 (open for the whole fit; _close closes it)
             return
         # "x": a run never appends to (or replaces) another run's file.
         self._file = self.file.open("x", buffering=1)
