@@ -180,6 +180,7 @@ class _Forwarding(types.ModuleType):
     def __init__(self, old: str, new: types.ModuleType) -> None:
         super().__init__(f"unison.{old}", new.__doc__)
         self._old, self._new = old, new
+        self.__file__ = getattr(new, "__file__", None)  # where the code is (inspect, tracebacks' readers)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
