@@ -52,6 +52,7 @@ FULL_TIER = {
     "test_torch_zero_fairscale.py": "three sharded-optimizer backends' worlds; .ci/run's matrix certifies them",
     "test_apex_distributed.py": "18 two-rank runs of the apex strategy on a named stand-in (apex is CUDA-only)",
     "test_compat_plugins_certified.py": "the suite on the plugins kept for each released API (2-rank worlds, compile)",
+    "test_token_loss_w4.py": "a 4-rank world (token-weighted losses under hsdp, fsdp_tp, pipeline_fsdp, ddp)",
 }
 
 

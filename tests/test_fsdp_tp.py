@@ -104,7 +104,8 @@ def test_a_model_without_a_plan_is_refused_before_any_process_group(world_of_4):
     [
         ({"0": "sequence_parallel"}, "style 'sequence_parallel'"),
         ({"9": "colwise"}, "matches no submodule"),
-        ({"1": "colwise"}, "a Tanh; fsdp_tp splits nn.Linear only"),
+        ({"1": "colwise"}, "a Tanh; fsdp_tp splits it as 'colwise', which takes an nn.Linear"),
+        ({"0": "embedding_rowwise"}, "a Linear; fsdp_tp splits it as 'embedding_rowwise', which takes an nn.Embedding"),
         ({"4": "colwise"}, "splits 1 features, not divisible by tp_size=2"),
     ],
 )

@@ -36,9 +36,13 @@ if TYPE_CHECKING:  # pragma: no cover
     from unison.plugin.manager import PluginManager
 
 #: The plan styles tensor parallel applies, by Hugging Face's names (``ColwiseParallel`` and
-#: ``RowwiseParallel`` in DTensor). Other Hugging Face styles (``"colwise_rep"``,
-#: ``"sequence_parallel"``, ``"local_*"``, ...) are refused by :func:`resolve_plan`, naming them.
-STYLES = ("colwise", "rowwise")
+#: ``RowwiseParallel`` in DTensor; ``"colwise_gather_output"``, Hugging Face's plan for a causal LM's
+#: ``lm_head``, is ``ColwiseParallel`` whose output is gathered whole on every tp rank;
+#: ``"embedding_rowwise"``, its plan for the token embedding, is ``RowwiseParallel`` of an
+#: ``nn.Embedding``: vocabulary rows split, lookups summed). Other Hugging Face styles
+#: (``"colwise_rep"``, ``"sequence_parallel"``, ``"local_*"``, ...) are refused by :func:`resolve_plan`,
+#: naming them.
+STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
 
 #: What a block-plan lookup is: a module -> its plan relative to it, or ``None`` (not a known block).
 BlockPlans = Callable[[torch.nn.Module], "Mapping[str, str] | None"]
@@ -126,13 +130,18 @@ def resolve_plan(model: torch.nn.Module, plan: Mapping[str, str], tp_size: int, 
             )
         for name in names:
             module: Any = modules[name]
-            if not isinstance(module, torch.nn.Linear):
+            kind = torch.nn.Embedding if style == "embedding_rowwise" else torch.nn.Linear
+            if not isinstance(module, kind):
                 raise ConfigurationError(
                     "model.tp_plan",
-                    f"plan entry {key!r} names {name!r}, a {type(module).__name__}; {who} splits nn.Linear only",
-                    "plan Linear layers",
+                    f"plan entry {key!r} names {name!r}, a {type(module).__name__}; {who} splits it as {style!r}, "
+                    f"which takes an nn.{kind.__name__}",
+                    "plan Linear layers colwise or rowwise, and Embedding layers embedding_rowwise",
                 )
-            split = module.out_features if style == "colwise" else module.in_features
+            if style == "embedding_rowwise":
+                split = module.num_embeddings
+            else:
+                split = module.out_features if style.startswith("colwise") else module.in_features
             if split % tp_size:
                 raise ConfigurationError(
                     "strategy_options.tp_size",

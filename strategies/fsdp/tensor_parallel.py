@@ -16,7 +16,9 @@ Decisions:
   for its known block types (the ``unison_tensor_parallel_plan`` hook), composed
   under the blocks' qualified names. Patterns use Hugging Face's ``*`` for one path
   segment (``"layers.*.mlp.up_proj"``). Styles: ``"colwise"`` -> ``ColwiseParallel()``,
-  ``"rowwise"`` -> ``RowwiseParallel()``; every other Hugging Face style
+  ``"rowwise"`` -> ``RowwiseParallel()``, ``"colwise_gather_output"`` (Hugging Face's ``lm_head``) ->
+  ``ColwiseParallel(output_layouts=Replicate())``, ``"embedding_rowwise"`` (its token embedding) ->
+  ``RowwiseParallel(input_layouts=Replicate())``; every other Hugging Face style
   (``"colwise_rep"``, ``"sequence_parallel"``, ``"local_*"``, ...) is refused
   before any process group, naming it. No sequence or loss parallel: a
   ``RowwiseParallel`` output is replicated over ``tp``, so the user's
@@ -200,11 +202,19 @@ class FSDPTPStrategy(FSDP2Strategy):
 
     def _shard_mesh(self, env: DistEnv, module: torch.nn.Module) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         layout = self.mesh_layout
         mesh = init_device_mesh(env.device.type, layout.shape(env.world_size), mesh_dim_names=layout.names)
-        styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+        styles = {
+            "colwise": ColwiseParallel,
+            "rowwise": RowwiseParallel,
+            # Hugging Face's lm_head plan: whole logits on every tp rank, for the loss that follows.
+            "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+            # Hugging Face's token-embedding plan: vocabulary rows split, each rank's lookups summed.
+            "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+        }
         plan = resolve_plan(
             module, tensor_parallel_plan(module, self.plugins) or {}, self.options.tp_size, who=self.name
         )
