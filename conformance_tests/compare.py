@@ -14,6 +14,10 @@ What is compared (see :mod:`unison.conformance.spec` for the run roles):
   index and, when both end at the same step, the final state;
 * against ``same_as`` strategy runs: final state and per-step numbers
   (save -> resume equals uninterrupted);
+* against ``exact_as`` runs of the same backend: the same, bit for bit (tolerance 0: default
+  plugins on or off, a resume in new processes against one in the same process);
+* against the scenario's ``full_batch`` reference run (accumulation 1): per-step loss and grad
+  norm and the final state (a token-weighted loss does not depend on the split);
 * on every rank: the same per-step numbers, hook sequence, final canonical
   state and checkpoint buffers as rank 0 (replicas that end apart fail); the
   optimizer the user's factory built was really stepped in every counted
@@ -60,7 +64,16 @@ from unison.conformance.models import build_model
 from unison.conformance.spec import Run, Scenario
 from unison.conformance.suite import StrategyResult
 from unison.conformance.validation import check_validations
-from unison.conformance.verdict import DECLARED_OUT, FAIL, INCONCLUSIVE, PASS, SKIPPED, Verdict, tolerance_for
+from unison.conformance.verdict import (
+    DECLARED_OUT,
+    FAIL,
+    INCONCLUSIVE,
+    PASS,
+    SKIPPED,
+    Tolerance,
+    Verdict,
+    tolerance_for,
+)
 
 _EXCEPTION_LINE = re.compile(r"^[\w.]+(Exception|Error|Exit|Interrupt|Warning)\b.*")
 
@@ -155,6 +168,10 @@ def _settled_without_comparing(scenario: Scenario, result: StrategyResult, v: Ve
     if result.status != "ran":
         v.status, v.reason = FAIL, result.reason
         return True
+    missing = scenario.unavailable()
+    if missing is not None:
+        v.status, v.reason = SKIPPED, f"unavailable here: {missing}"
+        return True
     state_dict = (result.ownership or {}).get("state_dict", {})
     if scenario.kind != "declarations" and scenario.requires_reshardable and not state_dict.get("reshardable"):
         fmt = state_dict.get("format") or "its format"
@@ -232,10 +249,7 @@ def _judge_run(
         t = strat.get(run.id)
         world_error = result.world_errors.get(run.world)
     elif not from_strategy:
-        # Pure reference runs: only their own resume exactness is checked.
-        t = ref_runs.get(run.id)
-        if run.truth is not None and t is not None:
-            _compare_to_truth(c, run, label, t, ref_runs, buffers)
+        _judge_reference_run(c, scenario, run, ref_runs, buffers)
         return
     elif (run.resume_from or "").split(":", 1)[1] in dropped:
         return
@@ -266,7 +280,77 @@ def _judge_run(
             continue
         c.steps(label, t, o, against, exact_range=False)
         c.state(label, t.get("state"), o.get("state"), against, track=False, buffers=buffers)
+    for other in run.exact_as:
+        _compare_exactly(c, label, t, strat.get(other), run_label("strategy", other), buffers)
+    if run.twin is not None:
+        _compare_to_full_batch(c, scenario, label, t, ref_runs, buffers)
     c.checks.append(_describe_run_checks(run))
+
+
+#: Tolerance 0: what must change nothing at all changes no bit.
+EXACT = Tolerance(param=0.0, loss=0.0, grad_norm=0.0, lr=0.0)
+
+
+def _compare_exactly(
+    c: Checker, label: str, t: dict[str, Any], other: dict[str, Any] | None, against: str, buffers: Iterable[str]
+) -> None:
+    """Every per-step number and the final state of ``t`` equal ``other``'s bit for bit."""
+    if other is None or other.get("status") != "ok":
+        c.fail(label, "exact_as", note=f"{against} missing", kind="run")
+        return
+    exact = Checker(c.scenario, EXACT)
+    exact.steps(label, t, other, against, exact_range=False)
+    exact.state(label, t.get("state"), other.get("state"), against, buffers=buffers)
+    if exact.max_param is not None:  # the scenario's deviation: 0.0 when bit for bit
+        c.max_param = exact.max_param if c.max_param is None else max(c.max_param, exact.max_param)
+    for d in exact.divergences:
+        d.note = "; ".join(filter(None, [d.note, "must be equal bit for bit"]))
+    c.divergences.extend(exact.divergences)
+
+
+def _compare_to_full_batch(
+    c: Checker,
+    scenario: Scenario,
+    label: str,
+    t: dict[str, Any],
+    ref_runs: dict[str, dict[str, Any]],
+    buffers: Iterable[str],
+) -> None:
+    """Per-step loss and grad norm and the final state of ``t`` equal the full-batch reference's (accumulation 1;
+    the micro-batch losses differ by design: one micro-batch there)."""
+    if scenario.full_batch is None:
+        return
+    full = ref_runs.get(scenario.full_batch)
+    against = run_label("reference", scenario.full_batch)
+    if full is None or full.get("status") != "ok":
+        c.fail(label, "full-batch reference", note=f"{against} missing", kind="run")
+        return
+    want = {s["step"]: s for s in full.get("steps", [])}
+    for s in t.get("steps", []):
+        w = want.get(s["step"])
+        if w is None:
+            note = "the reference has no such step"
+            c.fail(label, "steps run", step=s["step"], against=against, note=note, kind="counts")
+            continue
+        c.close(label, against, "loss", s["step"], s["loss"], w["loss"], c.tol.loss, "loss", track_loss=True)
+        c.close(label, against, "grad_norm", s["step"], s["grad_norm"], w["grad_norm"], c.tol.grad_norm, "grad_norm")
+    c.state(label, t.get("state"), full.get("state"), against, buffers=buffers)
+
+
+def _judge_reference_run(
+    c: Checker, scenario: Scenario, run: Run, ref_runs: dict[str, dict[str, Any]], buffers: list[str]
+) -> None:
+    """A pure reference run: only its own resume exactness, and what the scenario says of the reference (equal
+    to another reference run bit for bit; equal to the full-batch run)."""
+    label, t = run_label("reference", run.id), ref_runs.get(run.id)
+    if t is None or t.get("status") != "ok":
+        return  # reported by _check_reference_ran
+    if run.truth is not None:
+        _compare_to_truth(c, run, label, t, ref_runs, buffers)
+    for other in run.exact_as:
+        _compare_exactly(c, label, t, ref_runs.get(other), run_label("reference", other), buffers)
+    if run is scenario.runs[0]:
+        _compare_to_full_batch(c, scenario, label, t, ref_runs, buffers)
 
 
 def _compare_to_twin(
@@ -343,6 +427,8 @@ def _describe_run_checks(run: Run) -> str:
         parts.append(f"per-step numbers and final state = reference:{run.truth} (uninterrupted)")
     if run.same_as:
         parts.append(f"final state = strategy:{', strategy:'.join(run.same_as)}")
+    if run.exact_as:
+        parts.append(f"every per-step number and the final state bit for bit = {run.backend}:{', '.join(run.exact_as)}")
     return f"{run.backend}:{run.id}: " + "; ".join(parts) if parts else f"{run.backend}:{run.id}: ran"
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import io
 import math
 import os
 import time
@@ -41,10 +42,26 @@ from unison.conformance.sensitivity import PrecisionProbe, probes_apply
 from unison.conformance.spec import Run, Scenario
 from unison.conformance.trace import TraceRecorder, analyse_collectives, instrument, profile_collectives
 from unison.conformance.validation import validation_data
+from unison.conformance.workloads import huggingface_slice_mean, token_loss, token_slice_mean
 from unison.contract.ownership import STANDARD_PRECISIONS, WorldSizes
 from unison.errors import ConfigurationError, DeclaredRefusal
 
 REFERENCE = "single"
+
+
+#: The scenarios' losses for the ``loss_fn`` form, by :attr:`Scenario.loss <unison.conformance.spec.Scenario.loss>`.
+LOSSES: dict[str, Any] = {"mse": loss_fn, "token": token_loss, "token_slice_mean": token_slice_mean}
+
+
+def loss_form(scenario: Scenario, run: Run) -> dict[str, Any]:
+    """The ``fit`` arguments that say how ``run`` computes its loss (none: the Hugging Face path)."""
+    if scenario.form == "huggingface":
+        # Neither loss_fn nor training_step: the trainer trains the model's own loss, token-weighted (the
+        # control run trains each slice's own mean through training_step instead).
+        return {"training_step": huggingface_slice_mean} if run.loss == "token_slice_mean" else {}
+    if scenario.form == "training_step":
+        return {"training_step": training_step}
+    return {"loss_fn": LOSSES[run.loss or scenario.loss]}
 
 
 def make_plugin_manager(plugins: Sequence[str] = ()) -> unison.PluginManager:
@@ -71,8 +88,13 @@ def execute_run(
     plugins: Sequence[str],
     checkpoint_dir: Path | None,
     resume_path: Path | None,
+    root_dir: Path | None = None,
 ) -> dict[str, Any]:
-    """One ``fit`` of ``scenario`` under ``strategy``; returns its trace (on every rank)."""
+    """One ``fit`` of ``scenario`` under ``strategy``; returns its trace (on every rank).
+
+    A run with ``defaults`` keeps the Trainer's default callbacks, loggers (writing under ``root_dir``) and
+    progress display; every other run has loggers and progress off.
+    """
     started = time.perf_counter()
     dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
     rank = torch.distributed.get_rank() if dist_on else 0
@@ -88,9 +110,12 @@ def execute_run(
         settings = scenario.trainer_settings(sizing, run)
         if checkpoint_dir is not None:
             settings["checkpoint_dir"] = str(checkpoint_dir)
-        trainer = unison.Trainer(
-            strategy=strategy, plugin_manager=pm, callbacks=[recorder], loggers=False, **settings
-        )  # loggers=False: the suite's runs leave no run directory behind
+        if run.defaults:
+            # The default JSONL and CSV loggers write a run directory: the suite's own, never the caller's.
+            settings["root_dir"] = str(root_dir)
+        # loggers=False: the suite's runs leave no run directory behind (but a run with the defaults on).
+        loggers: dict[str, Any] = {} if run.defaults else {"loggers": False}
+        trainer = unison.Trainer(strategy=strategy, plugin_manager=pm, callbacks=[recorder], **loggers, **settings)
         boundaries: list[bool] = []
         instrument(trainer.strategy, boundaries)
         optimizers: list[torch.optim.Optimizer] = []
@@ -112,7 +137,7 @@ def execute_run(
         if run.perturb is not None and rank != 0:
             perturb(model, run.perturb, rank)
         data = scenario.dataset(sizing)
-        form: dict[str, Any] = {"loss_fn": loss_fn} if scenario.form == "loss_fn" else {"training_step": training_step}
+        form = loss_form(scenario, run)
         if scenario.val_every:
             form["val_dataset"] = validation_data()
         feature_probe = FeatureProbe(scenario.probe) if scenario.probe is not None else contextlib.nullcontext()
@@ -120,6 +145,7 @@ def execute_run(
             profile_collectives(dist_on) as prof_box,
             pm.record_hook_calls(prefix="unison_") as hooks,
             feature_probe,
+            _quiet(run.defaults),
         ):
             progress = trainer.fit(
                 model,
@@ -193,6 +219,17 @@ def execute_run(
         trace.update(status="error", error=traceback.format_exc(limit=12))
     trace["wall_s"] = time.perf_counter() - started
     return trace
+
+
+@contextlib.contextmanager
+def _quiet(enabled: bool) -> Iterator[None]:
+    """The default progress display of a run with the defaults on is drawn into nothing: the report is the
+    suite's output. (It still runs: what it does between the steps is what the run checks.)"""
+    if not enabled:
+        yield
+        return
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 @contextlib.contextmanager

@@ -35,6 +35,11 @@ perturb every rank but 0 on purpose):
   the ``unison`` group) whose ``unison_tensor_parallel_plan`` registers
   :data:`TRANSFORMER_BLOCK_TP_PLAN` for every :class:`TransformerBlock`, so
   tensor-parallel strategies split it through the plugin path a third party uses.
+* ``dropout``: the MLP with a ``Dropout(0.3)`` before its head (where every tensor-parallel rank holds
+  the whole activation): its masks come from the global generator, so anything that draws from it,
+  or fails to restore it, changes the weights (the ``default_plugins`` and ``fresh_resume`` scenarios).
+* ``token_lm`` and ``llama``: a language model for the token-loss scenarios, an ``nn.Sequential``
+  and a Hugging Face ``LlamaForCausalLM`` (:mod:`unison.conformance.workloads`).
 * ``groups``: the MLP trained with two parameter groups (matrices: one lr and
   weight decay; vectors: half the lr, no weight decay). Groups are formed by
   ``param.ndim`` because the optimizer factory receives the parameters a
@@ -49,6 +54,7 @@ from typing import Any, Literal
 
 import torch
 
+from unison.conformance import workloads
 from unison.plugin import hookimpl
 
 IN_FEATURES = 8
@@ -150,6 +156,20 @@ def _batchnorm() -> torch.nn.Sequential:
         bn.weight.uniform_(0.5, 1.5)
         bn.bias.uniform_(-0.5, 0.5)
         bn.num_batches_tracked.fill_(7)
+    return model
+
+
+def _dropout() -> torch.nn.Sequential:
+    """The MLP with ``Dropout(0.3)`` before the head; the tensor-parallel plan's indices are unchanged."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(IN_FEATURES, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Linear(HIDDEN, HIDDEN),
+        torch.nn.Tanh(),
+        torch.nn.Dropout(0.3),
+        torch.nn.Linear(HIDDEN, 1),
+    )
+    model.tp_plan = dict(MLP_TP_PLAN)
     return model
 
 
@@ -290,6 +310,9 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "offset": _offset,
     "blocks": _blocks,
     "block": _block,
+    "dropout": _dropout,
+    "token_lm": workloads.TokenLM,
+    "llama": workloads.llama,
 }
 
 

@@ -56,6 +56,39 @@ def _feature_runs(option: str, value: object) -> tuple[Run, ...]:
     return (Run("main", "reference"), Run("main", "strategy", twin="main", overrides=((option, value),)))
 
 
+#: The token scenarios' reference runs: at accumulation 1 (the whole global batch in one micro-batch), and the
+#: control trained on each micro-batch slice's own token mean.
+FULL_BATCH, SLICE_MEAN = "full_batch", "slice_mean"
+
+
+def _token_runs() -> tuple[Run, ...]:
+    """The strategy against the reference at the same split, and against the reference's full-batch run."""
+    return (
+        Run("main", "reference"),
+        Run(FULL_BATCH, "reference", overrides=(("accumulate_grad_batches", 1),)),
+        Run(SLICE_MEAN, "reference", loss="token_slice_mean"),
+        Run("main", "strategy", twin="main"),
+    )
+
+
+def _token_scenario(name: str, description: str, **kw: object) -> Scenario:
+    return Scenario(
+        name,
+        description,
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        max_steps=4,
+        control=(SLICE_MEAN, "training each micro-batch slice's own token mean"),
+        full_batch=FULL_BATCH,
+        runs=_token_runs(),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+#: The step a ``fresh_resume`` run saves at (of 6).
+FRESH_RESUME_AT = 3
+
+
 SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "plain",
@@ -323,6 +356,65 @@ SCENARIOS: tuple[Scenario, ...] = (
         shuffle=False,
         max_steps=BACKOFF_STEPS + 4,
         runs=_resume_runs(at=BACKOFF_STEPS + 1),
+    ),
+    _token_scenario(
+        "token_loss",
+        "a token-level loss on padded sequences of valid length 2..12 of 12 (labels -100 on padding) as the "
+        "pair (loss_sum, num_items) from loss_fn, accumulation 2: the global batch's summed loss over its "
+        "global token count, equal to the reference at the same split and at accumulation 1; its control "
+        "(each slice's own token mean) ends far from it",
+        model="token_lm",
+        data="tokens",
+        loss="token",
+    ),
+    _token_scenario(
+        "token_loss_hf",
+        "the Hugging Face path: a LlamaForCausalLM (local config) on dict batches with labels, neither loss_fn "
+        "nor training_step, accumulation 2: the model's own loss normalised by the step's global count of "
+        "labels != -100, equal to the reference at the same split and at accumulation 1",
+        model="llama",
+        data="token_dicts",
+        form="huggingface",
+    ),
+    Scenario(
+        "default_plugins",
+        "a Dropout model trained with the Trainer's default callbacks, loggers and progress display on, and "
+        "with all of them off: equal bit for bit (no plugin draws from, reseeds or restores the training RNG)",
+        model="dropout",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        runs=(
+            Run("on", "reference", defaults=True),
+            Run("off", "reference", overrides=(("throughput", False),), exact_as=("on",)),
+            Run("on", "strategy", defaults=True),
+            Run("off", "strategy", overrides=(("throughput", False),), exact_as=("on",)),
+        ),
+    ),
+    Scenario(
+        "fresh_resume",
+        f"a Dropout model saved at step {FRESH_RESUME_AT} and resumed to step 6 in new processes (a new world): "
+        "equal to the uninterrupted run, and bit for bit to the same checkpoint resumed in the process that "
+        "wrote it (the RNG states travel in the checkpoint; nothing a process caches may change them)",
+        model="dropout",
+        optimizer="sgd",
+        scheduler="step",
+        accumulate_grad_batches=2,
+        runs=(
+            Run("full", "reference"),
+            Run("part", "reference", max_steps=FRESH_RESUME_AT, save=True),
+            Run("resumed", "reference", resume_from="part", truth="full", exact_as=("full",)),
+            Run("full", "strategy"),
+            Run("part", "strategy", max_steps=FRESH_RESUME_AT, save=True),
+            Run("resumed_here", "strategy", resume_from="part", same_as=("full",)),
+            Run(
+                "resumed",
+                "strategy",
+                world="fresh",
+                resume_from="part",
+                same_as=("full",),
+                exact_as=("resumed_here",),
+            ),
+        ),
     ),
 )
 

@@ -16,6 +16,12 @@ in the same run:
   :data:`SENSITIVITY_MIN` (10) is **inconclusive**, never passed: a strategy
   that trains in fp32 instead could sit inside the tolerance.
 
+A scenario may name a control run of its own (:attr:`Scenario.control
+<unison.conformance.spec.Scenario.control>`: the reference run and what it
+changes); the same measure applies to it. The ``token_loss`` scenarios' control
+trains each micro-batch slice's own token mean: the reference must end far
+from it, or a strategy that re-weighted tokens by the split could pass.
+
 Direct probes (:class:`PrecisionProbe`), recorded inside every strategy run of
 a scenario whose precision is ``*-mixed``, on every rank:
 
@@ -90,6 +96,13 @@ class Sensitivity:
     skipped_differs: bool
     tolerance_param: float
     tolerance_loss: float
+    #: The control run (a reference run id) and, for a scenario's own control, what it changes.
+    control: str = PRECISION_CONTROL
+    changes: str | None = None
+
+    @property
+    def what(self) -> str:
+        return self.changes or self.precision
 
     @property
     def ratio(self) -> float:
@@ -105,23 +118,24 @@ class Sensitivity:
     def describe(self) -> str:
         skipped = "; the two skip different steps" if self.skipped_differs else ""
         return (
-            f"sensitivity: {self.precision} moves the reference {self.effect_param:.3g} (parameters, tolerance "
+            f"sensitivity: {self.what} moves the reference {self.effect_param:.3g} (parameters, tolerance "
             f"{self.tolerance_param:.3g}, {self.effect_param / self.tolerance_param:.3g}x) and {self.effect_loss:.3g} "
             f"(relative loss, tolerance {self.tolerance_loss:.3g}, {self.effect_loss / self.tolerance_loss:.3g}x) "
-            f"from its fp32 control run{skipped}: effect / tolerance {self.ratio:.3g} "
+            f"from its control run reference:{self.control}{skipped}: effect / tolerance {self.ratio:.3g} "
             f"({'>=' if self.conclusive else '<'} {SENSITIVITY_MIN:g})"
         )
 
     def inconclusive_reason(self) -> str:
         return (
             f"inconclusive: the effect the scenario exists to see is only {self.ratio:.3g}x its tolerance (needs "
-            f">= {SENSITIVITY_MIN:g}x): a strategy that ignored {self.precision} could pass. {self.describe()}"
+            f">= {SENSITIVITY_MIN:g}x): a strategy that ignored {self.what} could pass. {self.describe()}"
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "precision": self.precision,
-            "control": f"reference:{PRECISION_CONTROL}",
+            "control": f"reference:{self.control}",
+            "changes": self.changes,
             "effect_param": self.effect_param,
             "effect_loss": self.effect_loss,
             "skipped_differs": self.skipped_differs,
@@ -146,14 +160,16 @@ def _max_rel_loss(a: Iterable[dict[str, Any]], b: Iterable[dict[str, Any]]) -> f
 
 
 def measure(scenario: Scenario, ref_runs: dict[str, dict[str, Any]], tol: Any) -> Sensitivity | None:
-    """The sensitivity of ``scenario`` from its reference runs; ``None`` when it trains in fp32 or has no control."""
+    """The sensitivity of ``scenario`` from its reference runs; ``None`` without a control (an fp32 scenario
+    without one of its own)."""
     from unison.conformance.checks.numeric import state_deviation
 
-    if scenario.precision == FP32 or not any(
-        r.backend == "reference" and r.id == PRECISION_CONTROL for r in scenario.runs
+    control_id, changes = scenario.control or (PRECISION_CONTROL, None)
+    if (scenario.precision == FP32 and scenario.control is None) or not any(
+        r.backend == "reference" and r.id == control_id for r in scenario.runs
     ):
         return None
-    main, control = ref_runs.get(scenario.runs[0].id) or {}, ref_runs.get(PRECISION_CONTROL) or {}
+    main, control = ref_runs.get(scenario.runs[0].id) or {}, ref_runs.get(control_id) or {}
     if main.get("state") is None or control.get("state") is None:
         return None  # the reference runs' own failure is reported as such
     _, effect_param = state_deviation(main["state"], control["state"])
@@ -165,6 +181,8 @@ def measure(scenario: Scenario, ref_runs: dict[str, dict[str, Any]], tol: Any) -
         skipped_differs=[s["skipped"] for s in steps] != [s["skipped"] for s in control_steps],
         tolerance_param=tol.param,
         tolerance_loss=tol.loss,
+        control=control_id,
+        changes=changes,
     )
 
 

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from unison.conformance.data import DictRegression, Sizing, backoff_data, overflow_data, regression_data
 from unison.conformance.models import _OPTIMIZER_CLASSES, OUTPUT_OFFSET, Perturbation, build_model
+from unison.conformance.workloads import TokenDicts, token_pairs, transformers_missing
 from unison.contract.ownership import Feature
 from unison.contract.strategy import model_features
 from unison.plugin.manager import PluginManager
@@ -51,12 +52,17 @@ class Run:
 
     ``resume_from`` names the run whose checkpoint this one resumes:
     ``"part"`` (same backend) or ``"reference:part"`` / ``"strategy:part"``.
+
+    ``exact_as`` names runs of the same backend this one must equal bit for bit
+    (every per-step number and the final state, tolerance 0): what may change
+    nothing at all (default plugins on or off, a resume in a new process).
     """
 
     id: str
     backend: Backend
-    #: ``"main"``: the world being certified; ``"alt"``: the reshard world size.
-    world: Literal["main", "alt"] = "main"
+    #: ``"main"``: the world being certified; ``"alt"``: the reshard world size; ``"fresh"``: a new world of
+    #: the main size, started after the main world ended (new processes: nothing cached in them).
+    world: Literal["main", "alt", "fresh"] = "main"
     max_steps: int | None = None
     #: Write a checkpoint at the end of this run (others resume from it).
     save: bool = False
@@ -69,6 +75,12 @@ class Run:
     overrides: tuple[tuple[str, Any], ...] = ()
     #: Perturb this on every rank but 0 before handing the model to the trainer.
     perturb: Perturbation | None = None
+    #: Bit-for-bit equal runs of the same backend (see the class).
+    exact_as: tuple[str, ...] = ()
+    #: The loss this run trains instead of the scenario's (a control run: ``"token_slice_mean"``).
+    loss: str | None = None
+    #: The Trainer's default callbacks, loggers and progress display on (every other run has them off).
+    defaults: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,9 +99,20 @@ class Scenario:
     optimizer: str = "adamw"
     scheduler: str | None = None
     max_steps: int = 6
-    data: Literal["regression", "overflow", "dict", "offset", "backoff"] = "regression"
-    #: The batch form: ``(inputs, targets)`` with ``loss_fn``, or dict batches with ``training_step``.
-    form: Literal["loss_fn", "training_step"] = "loss_fn"
+    data: Literal["regression", "overflow", "dict", "offset", "backoff", "tokens", "token_dicts"] = "regression"
+    #: The batch form: ``(inputs, targets)`` with ``loss_fn``, dict batches with ``training_step``, or dict
+    #: batches holding ``labels`` with neither (the Hugging Face path: the model's own loss).
+    form: Literal["loss_fn", "training_step", "huggingface"] = "loss_fn"
+    #: The loss: ``"mse"`` (:func:`~unison.conformance.models.loss_fn`), ``"token"`` (the pair form
+    #: ``(loss_sum, num_items)``, :func:`~unison.conformance.workloads.token_loss`) or ``"token_slice_mean"``.
+    loss: Literal["mse", "token", "token_slice_mean"] = "mse"
+    #: ``(reference run id, what it changes)``: a control run of the reference the main reference run must
+    #: end far from (effect >= 10x the tolerance, :mod:`unison.conformance.sensitivity`), or the scenario is
+    #: inconclusive. Precision scenarios have theirs built in (their fp32 run).
+    control: tuple[str, str] | None = None
+    #: A reference run at accumulation 1 (one micro-batch of the whole global batch): the strategy's per-step
+    #: loss and grad norm and its final state must equal it too (a split-independent loss).
+    full_batch: str | None = None
     shuffle: bool = True
     #: Save a checkpoint every N steps in every run; the canonical buffers are
     #: recorded at each one and compared with the reference's at the same step.
@@ -122,6 +145,10 @@ class Scenario:
         Run("main", "reference"),
         Run("main", "strategy", twin="main"),
     )
+
+    def unavailable(self) -> str | None:
+        """Why this scenario cannot run on this machine (a library it needs is missing), or ``None``."""
+        return transformers_missing() if self.model == "llama" else None
 
     def run(self, backend: Backend, run_id: str) -> Run:
         """The run ``run_id`` of ``backend`` (the tests execute single runs by name)."""
@@ -160,6 +187,10 @@ class Scenario:
             return TensorDataset(x, y + OUTPUT_OFFSET)
         if self.data == "backoff":
             return backoff_data(n, self.global_batch_size(sizing))
+        if self.data == "tokens":
+            return token_pairs(n)
+        if self.data == "token_dicts":
+            return TokenDicts(n)
         return regression_data(n)
 
     def trainer_settings(self, sizing: Sizing, run: Run) -> dict[str, Any]:
@@ -172,8 +203,8 @@ class Scenario:
             "seed": 0,
             "shuffle": self.shuffle,
             "accelerator": "cpu",
-            # The suite's runs print nothing: its report is the output.
-            "progress": "off",
+            # The suite's runs print nothing (its report is the output), but a run with the defaults on.
+            **({} if run.defaults else {"progress": "off"}),
             **({"checkpoint_every_n_steps": self.checkpoint_every} if self.checkpoint_every else {}),
             **({"val_every_n_steps": self.val_every, "val_batch_size": 3} if self.val_every else {}),
             **dict(run.overrides),
@@ -194,8 +225,15 @@ def needs(scenario: Scenario, run: Run) -> dict[str, str]:
     out: dict[str, str] = {}
     if scenario.form == "loss_fn":
         out[Feature.LOSS_FN.value] = "the run trains (inputs, targets) batches with loss_fn"
+    elif scenario.form == "huggingface":
+        out[Feature.TRAINING_STEP.value] = (
+            "the run trains dict batches with labels through the Hugging Face path (the model's own loss, "
+            "a training_step of the trainer's)"
+        )
     else:
         out[Feature.TRAINING_STEP.value] = "the run trains dict batches with training_step"
+    if (run.loss or scenario.loss) == "token" or scenario.form == "huggingface":
+        out[Feature.ITEM_WEIGHTED_LOSS.value] = "the loss is a (loss_sum, num_items) pair over padded token batches"
     if scenario.accumulate_grad_batches > 1:
         out[Feature.GRADIENT_ACCUMULATION.value] = f"accumulate_grad_batches={scenario.accumulate_grad_batches}"
     clip = dict(run.overrides).get("grad_clip_norm", scenario.grad_clip_norm)
@@ -209,7 +247,8 @@ def needs(scenario: Scenario, run: Run) -> dict[str, str]:
     if overrides.get("activation_checkpointing") is not None:
         policy = overrides["activation_checkpointing"]
         out[Feature.ACTIVATION_CHECKPOINTING.value] = f"activation_checkpointing={policy!r}"
-    for feature, evidence in model_features(build_model(scenario.model), _installed_plugins()).items():
+    features = {} if scenario.unavailable() else model_features(build_model(scenario.model), _installed_plugins())
+    for feature, evidence in features.items():
         out[feature.value] = f"model {scenario.model!r}: {evidence}"
     out[f"precision:{scenario.precision}"] = f"precision={scenario.precision!r}"
     # Every run trains with an optimizer from the factory; a strategy that runs

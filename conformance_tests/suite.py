@@ -121,7 +121,7 @@ class Suite:
         return any(
             phase_runs(ctx, s)
             for s in self.scenarios
-            if s.kind == "train" and (ctx.reshardable or not s.requires_reshardable)
+            if s.kind == "train" and (ctx.reshardable or not s.requires_reshardable) and not s.unavailable()
         )
 
     def reference(self) -> dict[str, dict[str, dict[str, Any]]]:
@@ -206,22 +206,31 @@ class Suite:
             result.reference_traces = run_phase(post)
             result.wall_s["reference_post"] = time.perf_counter() - started
 
+        # New processes of the main size resume the main world's checkpoints: nothing a process caches
+        # (a one-time draw, a warmed-up structure) survives into them, as after a real restart.
+        fresh = self._ctx(name, "strategy", "fresh", reshardable=reshardable)
+        if self._has_runs(fresh) and "main" not in result.world_errors:
+            self._later_world(result, fresh, self.world_size)
+
         needs_alt = self._has_runs(self._ctx(name, "strategy", "alt", reshardable=reshardable))
         if needs_alt and "main" not in result.world_errors:
-            started = time.perf_counter()
-            try:
-                alt = merge_ranks(
-                    spawn(run_phase, self.alt_world_size, self._ctx(name, "strategy", "alt"), timeout=self.timeout)
-                )
-                for scenario, runs in alt.items():
-                    result.traces.setdefault(scenario, {}).update(runs)
-            except BaseException as exc:
-                if isinstance(exc, KeyboardInterrupt):
-                    raise
-                result.world_errors["alt"] = self._world_error(name, "alt", exc)
-            result.wall_s["alt_world"] = time.perf_counter() - started
+            self._later_world(result, self._ctx(name, "strategy", "alt"), self.alt_world_size)
         result.wall_s["total"] = sum(result.wall_s.values())
         return result
+
+    def _later_world(self, result: StrategyResult, ctx: PhaseContext, size: int) -> None:
+        """A world after the main one (``fresh``, ``alt``): its traces join the main world's; a failure is kept."""
+        from unison.launch.torchrun import spawn
+
+        started = time.perf_counter()
+        try:
+            for scenario, runs in merge_ranks(spawn(run_phase, size, ctx, timeout=self.timeout)).items():
+                result.traces.setdefault(scenario, {}).update(runs)
+        except BaseException as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            result.world_errors[ctx.world] = self._world_error(result.name, ctx.world, exc)
+        result.wall_s[f"{ctx.world}_world"] = time.perf_counter() - started
 
     def close(self) -> None:
         if self._tmp is not None:

@@ -14,11 +14,16 @@ Phases, in order (each depends on the checkpoints of the one before)::
     reference-post this process   reference-backend runs resuming the strategy's checkpoints
     alt-world      spawn(M)       the strategy resuming its own checkpoint at another world
                                   size (only when it declares its state_dict reshardable)
+    fresh-world    spawn(N)       the strategy resuming its own checkpoint in new processes of
+                                  the main size (nothing a process caches survives into them)
+
+Every phase runs with ``UNISON_CHECK_PLUGIN_RNG=1`` (:func:`rng_guarded`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,6 +37,7 @@ from unison.conformance.data import Sizing
 from unison.conformance.execution import REFERENCE, execute_run
 from unison.conformance.scenarios import select
 from unison.conformance.spec import Run, Scenario
+from unison.plugin.rng_guard import CHECK_RNG_ENV
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,7 @@ class PhaseContext:
 
     strategy: str
     backend: str  # "reference" | "strategy"
-    world: str  # "main" | "alt"
+    world: str  # "main" | "alt" | "fresh"
     scenarios: tuple[str, ...]
     sizing: Sizing
     plugins: tuple[str, ...]
@@ -107,14 +113,32 @@ def run_phase(ctx: PhaseContext) -> dict[str, dict[str, dict[str, Any]]]:
     rank = torch.distributed.get_rank() if dist_on else 0
     strategy = REFERENCE if ctx.backend == "reference" else ctx.strategy
     out: dict[str, dict[str, dict[str, Any]]] = {}
-    with _diagnostics(ctx, rank) as where:
+    with _diagnostics(ctx, rank) as where, rng_guarded():
         for scenario in select(ctx.scenarios, ctx.sizing):
             if scenario.kind != "train" or (scenario.requires_reshardable and not ctx.reshardable):
                 continue
+            if scenario.unavailable():
+                continue  # judged skipped, with the reason
             for run in phase_runs(ctx, scenario):
                 where(f"scenario {scenario.name!r}, run {ctx.backend}:{run.id}")
                 _run_one(ctx, scenario, run, strategy, rank, out)
     return out
+
+
+@contextlib.contextmanager
+def rng_guarded() -> Iterator[None]:
+    """Every run of the suite checks that no lifecycle plugin touches the training RNG states
+    (``UNISON_CHECK_PLUGIN_RNG=1``, :mod:`unison.plugin.rng_guard`): a plugin that draws from them fails its
+    run with the guard's ``PluginError``. Set around the phase only: the suite's caller keeps its own setting."""
+    saved = os.environ.get(CHECK_RNG_ENV)
+    os.environ[CHECK_RNG_ENV] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(CHECK_RNG_ENV, None)
+        else:
+            os.environ[CHECK_RNG_ENV] = saved
 
 
 @contextlib.contextmanager
@@ -179,14 +203,16 @@ def _run_one(
         }
         return
     writes = run.save or scenario.checkpoint_every is not None
+    run_root = _checkpoint_root(ctx.checkpoint_root, scenario.name, run.id)
     trace = execute_run(
         scenario,
         run,
         strategy=strategy,
         sizing=ctx.sizing,
         plugins=ctx.plugins,
-        checkpoint_dir=_checkpoint_root(ctx.checkpoint_root, scenario.name, run.id) if writes else None,
+        checkpoint_dir=run_root if writes else None,
         resume_path=resume,
+        root_dir=run_root / "run" if run.defaults else None,
     )
     out.setdefault(scenario.name, {})[run.id] = trace
 

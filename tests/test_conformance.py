@@ -44,6 +44,10 @@ THIS_MODULE = Path(__file__).stem
 GOOD, WRONG, EVERY = "handwritten_dp", "handwritten_dp_double_avg", "handwritten_dp_every_step"
 UNAVAILABLE = "conformance_test_unavailable"
 TRAIN = [s for s in SCENARIOS if s.kind == "train"]
+#: Scenarios that compare the strategy's runs with each other only (``default_plugins``, ``fresh_resume``: Dropout
+#: masks are drawn per rank, so no reference has them): gradients averaged twice change none of their comparisons.
+#: Their own broken plugins and strategies fail them (tests/test_conformance_workloads.py).
+SELF_COMPARED = {s.name for s in TRAIN if not any(r.twin or r.truth for r in s.runs if r.backend == "strategy")}
 
 
 # A plugin in this module (registered by name where needed): one strategy that
@@ -205,9 +209,14 @@ def test_third_party_strategy_is_certified(report):
 def test_wrong_strategy_fails_every_scenario_with_a_pointer(report):
     verdicts = report.verdicts[WRONG]
     cert = report.certificate(WRONG)
-    assert not cert.certified and cert.label == "not certified" and len(cert.failed) == len(SCENARIOS)
+    assert {"default_plugins", "fresh_resume"} == SELF_COMPARED
+    assert not cert.certified and cert.label == "not certified"
+    assert len(cert.failed) == len(SCENARIOS) - len(SELF_COMPARED)
     assert report.exit_code == 1
     for name, v in verdicts.items():
+        if name in SELF_COMPARED:
+            assert v.status == "pass", (name, v.summary())
+            continue
         assert v.status == "fail", (name, v.summary())
         first = v.divergences[0]
         assert first.scenario == name
@@ -586,7 +595,7 @@ def test_declared_non_conformant_is_run_and_its_failures_shown(report):
         wall_s=0.0,
     )
     assert rep.exit_code == 0  # declared: shown, not gating
-    assert len(rep.failures(include_declared=True)) == len(SCENARIOS)
+    assert len(rep.failures(include_declared=True)) == len(SCENARIOS) - len(SELF_COMPARED)
     assert not rep.certified(WRONG)
     from rich.console import Console
 

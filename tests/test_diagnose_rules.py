@@ -206,6 +206,40 @@ def test_resume_state() -> None:
     assert resume.resume_state(evidence("resume_sgd", [late, div("loss", run="strategy:full")])) is None
 
 
+def test_plugin_rng() -> None:
+    guard = div("run", note="error: unison.errors.PluginError: a plugin changed the training RNG state during x")
+    found = declared.plugin_rng(evidence("default_plugins", [guard]))
+    assert rule_of(found) == "plugin_rng" and "UNISON_CHECK_PLUGIN_RNG=1" in found[2]
+    # Near miss: another error (run_error's).
+    assert declared.plugin_rng(evidence("default_plugins", [div("run", note="error: RuntimeError: boom")])) is None
+
+
+def test_fresh_process() -> None:
+    fresh = div("state", run="strategy:resumed", quantity="final parameter '0.weight'", step=None)
+    fresh.deviation, fresh.tolerance = 1e-3, 1e-5
+    found = resume.fresh_process(evidence("fresh_resume", [fresh]))
+    assert rule_of(found) == "fresh_process_resume" and "once per process" in found[2]
+    # Near miss: the resume in the process that saved diverges too.
+    here = div("loss", run="strategy:resumed_here", step=4)
+    assert resume.fresh_process(evidence("fresh_resume", [fresh, here])) is None
+
+
+def test_loss_normalisation() -> None:
+    traces = {"main": {"status": "ok", "steps": steps(), "world_size": 2, "data_parallel_size": 2}}
+
+    def declared_as(replicas: str, ratio: float, scenario: str = "token_loss") -> Any:
+        e = evidence(scenario, [div("grad_norm", quantity="grad_norm", step=0, got=ratio, expected=1.0)], traces)
+        e.result.ownership = {"loss_normalisation": {"replicas": replicas, "divisor": "micro-batches"}}
+        return scale.loss_normalisation(e)
+
+    found = declared_as("sum", 0.5)
+    assert rule_of(found) == "loss_normalisation" and "replicas: sum" in found[2] and "averages" in found[2]
+    assert rule_of(declared_as("mean", 2.0, "token_loss_hf")) == "loss_normalisation"
+    # Near misses: "mean" declared and half the norm is gradients averaged twice; a scalar-loss scenario.
+    assert declared_as("mean", 0.5) is None
+    assert declared_as("sum", 0.5, "plain") is None
+
+
 # -- where training first left the reference ---------------------------------------------------------------- #
 
 

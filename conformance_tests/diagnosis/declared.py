@@ -17,6 +17,25 @@ def undeclared_refusal(e: Evidence) -> Finding | None:
     return "undeclared_refusal", d, d.note or "the refusal is not in the strategy's declaration"
 
 
+#: What the RNG guard's PluginError says (:mod:`unison.plugin.rng_guard`), every run of the suite being guarded.
+_RNG_GUARD_TEXT = "changed the training RNG state"
+
+
+def plugin_rng(e: Evidence) -> Finding | None:
+    """A run failed with the RNG guard's error: a lifecycle plugin drew from (or reseeded) a global generator."""
+    d = next((x for x in e.by_kind.get("run", []) if _RNG_GUARD_TEXT in (x.note or "")), None)
+    if d is None:
+        return None
+    return (
+        "plugin_rng",
+        d,
+        "a callback, logger or progress plugin changed the training RNG state during a lifecycle hook (the suite "
+        "runs with UNISON_CHECK_PLUGIN_RNG=1, and the guard raised): dropout masks and shuffles draw from the "
+        "global generators, so training would differ with the plugin on or off and a resume in a new process "
+        f"would not be exact. The guard's error: {d.note}",
+    )
+
+
 def run_error(e: Evidence) -> Finding | None:
     """A run raised after setup started (or its world died)."""
     if "run" not in e.by_kind:
@@ -69,4 +88,12 @@ def validation(e: Evidence) -> Finding | None:
     )
 
 
-__all__ = ["declaration", "precision_not_applied", "premise", "run_error", "undeclared_refusal", "validation"]
+__all__ = [
+    "declaration",
+    "plugin_rng",
+    "precision_not_applied",
+    "premise",
+    "run_error",
+    "undeclared_refusal",
+    "validation",
+]

@@ -85,6 +85,24 @@ def buffers_on_resume(e: Evidence) -> Finding | None:
     return None
 
 
+def fresh_process(e: Evidence) -> Finding | None:
+    """Only runs resumed in new processes diverge; the same checkpoint resumed where it was written matches."""
+    failing = {d.run for d in e.divergences}
+    fresh = {f"{r.backend}:{r.id}" for r in e.scenario.runs if r.world == "fresh"}
+    if not fresh or not failing or not failing <= fresh:
+        return None
+    d = next((x for x in e.divergences if x.deviation is not None and x.tolerance), e.first)
+    return (
+        "fresh_process_resume",
+        d,
+        "only the resume in new processes diverges: the same checkpoint resumed in the process that wrote it "
+        "matches the uninterrupted run. Something done once per process (a draw from the global generator, a "
+        "structure built and cached per process) runs again after a restart, after the checkpoint's RNG states "
+        "were restored, so the run trains with other random numbers (dropout masks); draw from a generator of "
+        "its own, or do it before the states are restored",
+    )
+
+
 def resume_state(e: Evidence) -> Finding | None:
     """Only resumed runs diverge: which state the checkpoint did not restore, from the first quantity that differs."""
     d = e.resumed_divergence
@@ -119,4 +137,4 @@ def resume_state(e: Evidence) -> Finding | None:
     return "resume_state", d, why
 
 
-__all__ = ["buffers_on_resume", "partial_optimizer_state", "resume_state"]
+__all__ = ["buffers_on_resume", "fresh_process", "partial_optimizer_state", "resume_state"]

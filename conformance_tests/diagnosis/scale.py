@@ -66,6 +66,36 @@ def _ratio(d: Divergence) -> float | None:
     return None
 
 
+def loss_normalisation(e: Evidence) -> Finding | None:
+    """In the pair form, the first grad-norm ratio is 1 / the data-parallel size while the declaration says the
+    replicas' gradients are summed, or x it while it says averaged (the loss equal before): the declared
+    :class:`~unison.contract.ownership.LossNormalisation` misstates the replicas' reduction. (1 / the size with
+    "mean" declared is gradients averaged twice, :func:`gradient_scale`'s answer.)"""
+    if e.scenario.loss != "token" and e.scenario.form != "huggingface":
+        return None
+    found = e.first_norm_ratio
+    if found is None:
+        return None
+    d, ratio = found
+    replicas = int((e.trace_of(d.run) or {}).get("data_parallel_size") or 1)
+    declared = ((getattr(e.result, "ownership", None) or {}).get("loss_normalisation")) or {}
+    said = declared.get("replicas", "?")
+    if replicas < 2 or not (
+        (close(ratio, 1 / replicas) and said == "sum") or (close(ratio, replicas) and said == "mean")
+    ):
+        return None
+    does = "averages" if said == "sum" else "sums"
+    return (
+        "loss_normalisation",
+        d,
+        f"with the loss equal, the grad norm of the (loss_sum, num_items) pair is {ratio:.4g}x the reference's, "
+        f"1{'/' if does == 'averages' else ' x '}{replicas} data-parallel replicas: the trainer scales the pair's "
+        f"gradients by the declared Ownership.loss_normalisation (replicas: {said}, divisor: "
+        f"{declared.get('divisor', '?')}), but the reduction {does} over the replicas. The declaration misstates "
+        "the replicas' reduction; scalar losses never read it, so only the token scenarios see it",
+    )
+
+
 def gradient_scale(e: Evidence) -> Finding | None:
     """The first grad-norm ratio is 1/world, world, 1/accumulation or accumulation (the loss equal before)."""
     found = e.first_norm_ratio

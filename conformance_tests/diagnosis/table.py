@@ -23,6 +23,9 @@ precision_not_applied     precision_not_applied     a precision probe saw anothe
                                                     not in bf16/fp16, or the optimizer updating
                                                     low-precision weights (no fp32 masters); see
                                                     :mod:`unison.conformance.sensitivity`
+plugin_rng                plugin_rng                a run failed with the RNG guard's PluginError: a
+                                                    lifecycle plugin drew from or reseeded a global
+                                                    generator (``UNISON_CHECK_PLUGIN_RNG=1``)
 validation                validation                only val/loss differs (training matches): not the
                                                     per-sample mean over all replicas
 hard_coded_divisor        hard_coded_divisor        one fixed divisor D (not 1) explains the grad-norm
@@ -33,6 +36,9 @@ partial_optimizer_state   partial_optimizer_state   only resumed runs diverge, f
 buffers_on_resume         buffers_on_resume         only resumed runs diverge and an integer buffer (a
                                                     counter) ends behind the uninterrupted run's by what
                                                     it had counted at the checkpoint
+fresh_process_resume      fresh_process_resume      only runs resumed in new processes (``world="fresh"``)
+                                                    diverge: a once-per-process draw or cache changes
+                                                    training after a restart
 resume_state              resume_state              only runs that resume a checkpoint diverge: the
                                                     checkpoint does not restore optimizer / scheduler /
                                                     RNG / model state (refined by the first quantity:
@@ -48,6 +54,10 @@ buffers_within_first_step buffers                   the first micro-batch matche
                                                     same step does not (only forward-side state changed)
 stale_buffers             buffers                   buffers differ and the strategy's still hold their
                                                     initial values at a checkpoint
+loss_normalisation        loss_normalisation        pair-form (token) scenario, first grad-norm ratio
+                                                    1/ or x the data-parallel size with the loss equal:
+                                                    the declared LossNormalisation misstates the
+                                                    replicas' reduction
 gradient_scale            averaged_twice, summed,   the first grad-norm ratio (strategy / reference),
                           accumulation_scale        the loss equal before: 1 / world size (divided
                                                     twice), world size (summed), 1 / or x
@@ -119,6 +129,9 @@ TITLES = {
     "optimizer": "optimizer update differs",
     "scheduler": "learning-rate schedule differs",
     "validation": "validation loss is not the per-sample mean over all replicas",
+    "plugin_rng": "a plugin changed the training RNG state",
+    "fresh_process_resume": "a resume in new processes differs from one in the same process",
+    "loss_normalisation": "the declared loss normalisation misstates the gradient reduction",
     "hooks": "hook sequence differs",
     "counts": "step counts differ",
     "unclassified": "unclassified divergence",
@@ -129,6 +142,7 @@ Rule = Callable[[Evidence], "Finding | None"]
 #: The rules in order of precedence (see the module table): the first finding wins.
 RULES: tuple[Rule, ...] = (
     declared.undeclared_refusal,
+    declared.plugin_rng,
     declared.run_error,
     declared.declaration,
     declared.premise,
@@ -137,10 +151,12 @@ RULES: tuple[Rule, ...] = (
     scale.hard_coded_divisor,
     resume.partial_optimizer_state,
     resume.buffers_on_resume,
+    resume.fresh_process,
     resume.resume_state,
     update.initial_weights,
     update.buffers_within_first_step,
     update.stale_buffers,
+    scale.loss_normalisation,
     scale.gradient_scale,
     scale.norm_over_replicated_dim,
     scale.tied_weight_twice,
