@@ -148,3 +148,14 @@ def test_a_message_in_the_json_format_is_one_object_with_every_field(capsys, mon
     assert record["message"] == "hello\nworld" and record["level"] == "warning"
     assert (record["rank"], record["step"], record["run_id"]) == (3, 12, "job-7")
     assert record["time"].endswith("Z")
+
+
+def test_unison_train_with_a_bad_config_prints_json_records_and_one_error():
+    cmd = [sys.executable, "-m", "unison.cli", "train", "examples/tinylm.toml", "--log-format", "json"]
+    proc = subprocess.run(
+        [*cmd, "--set", "trainer.max_steps=0"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    out, err = records(proc.stdout), records(proc.stderr)
+    assert [r["message"] for r in out] == ["unison train examples/tinylm.toml: loading torch, checking the config"]
+    assert [r["level"] for r in err] == ["error"] and "trainer.max_steps" in err[0]["message"]
