@@ -43,6 +43,7 @@ FULL_TIER = {
     "test_lifecycle.py": "fault injection: worker restarts in a row, preemption signals, rendezvous timeouts",
     "test_watchdog.py": "fault injection: frozen and stopped ranks, waiting out stall timeouts by design",
     "test_watchdog_collectives.py": "fault injection: a stopped rank, waiting out a stall timeout by design",
+    "test_prometheus.py": "a real Prometheus and Pushgateway started, scraping a 2-rank job (12-30 s)",
     "test_s3_run_directories.py": "fault injection: object-storage uploads that fail and are retried",
     "test_storage_outage.py": "fault injection: an S3 server stopped mid-save, retried within its budget",
     "test_compile_inductor.py": "torch.compile with inductor: code generation takes seconds per graph",
