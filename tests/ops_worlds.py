@@ -75,7 +75,7 @@ def main() -> None:
     args = p.parse_args()
     with open(f"{args.out}.pid-{os.environ.get('RANK', '0')}", "w") as f:
         f.write(str(os.getpid()))
-    callbacks: list = [StragglerReport(threshold=1.5), Slow(args.slow), Freeze(args.freeze, args.out, args.stall)]
+    callbacks: list = [StragglerReport(threshold=1.3), Slow(args.slow), Freeze(args.freeze, args.out, args.stall)]
     if args.prometheus is not None or args.pushgateway is not None:
         from unison.plugins.loggers.prometheus import PrometheusLogger
 

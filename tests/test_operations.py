@@ -87,7 +87,7 @@ def test_the_rank_slowed_by_a_sleep_is_named_the_straggler(slow_job):
         assert metrics["unison.stragglers.flagged"][2] == 1
         assert metrics["unison.step.duration.max"][2] >= 0.2
     assert ranks["0"]["metrics"]["unison.wait.duration"][2] > 0.15  # far above the 0.2 s sleep's noise
-    assert ranks["1"]["metrics"]["unison.wait.duration"][2] < 0.05
+    assert ranks["1"]["metrics"]["unison.wait.duration"][2] < 0.1
     assert ranks["1"]["metrics"]["unison.compute.duration"][2] > 0.15
 
 

@@ -181,7 +181,7 @@ def test_the_pushgateway_holds_each_ranks_final_values(job):
     wait = by_rank(prometheus.query('unison_wait_seconds{job="unison-push"}'))
     compute = by_rank(prometheus.query('unison_compute_seconds{job="unison-push"}'))
     # Rank 0 spends rank 1's sleep waiting for it; rank 1 computes (sleeps) it.
-    assert float(wait["0"]["value"][1]) > 0.15 and float(wait["1"]["value"][1]) < 0.05
+    assert float(wait["0"]["value"][1]) > 0.15 and float(wait["1"]["value"][1]) < 0.1
     assert float(compute["1"]["value"][1]) > 0.15
     assert float(prometheus.query('max(unison_slowest_rank{job="unison-push"})')[0]["value"][1]) == 1
 
