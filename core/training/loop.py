@@ -135,7 +135,7 @@ class TrainLoop:
         pairs = values[0].items is not None
         parts = [torch.stack([v.loss.detach().float().reshape(()) for v in values])]
         if pairs:
-            parts.append(torch.stack([v.items for v in values]).to(parts[0].device))  # type: ignore[misc]
+            parts.append(torch.stack([v.items for v in values if v.items is not None]).to(parts[0].device))
         if batch.tokens is not None:
             # torch.full: the count is a kernel argument, not a host-to-device copy (which would synchronise).
             parts.append(torch.full((1,), float(batch.tokens), device=parts[0].device))
@@ -198,7 +198,7 @@ class TrainLoop:
         numerator = trainer.ownership.normalisation.gradient_factor_numerator(len(sums), replicas)
         one = torch.ones((), device=total.device)
         trainer.strategy.scale_gradients(torch.where(mean, one, numerator / total.clamp(min=1)))
-        if trainer.data.counts_tokens_by_default:
+        if trainer.data is not None and trainer.data.counts_tokens_by_default:
             tokens = torch.where(mean, tokens if tokens is not None else -one, total)
         return micro, tokens
 
