@@ -168,11 +168,14 @@ def test_run_directories_refuse_planted_links_and_a_linked_checkpoint_dir_is_fol
     (runs / "version_7").unlink()
     _fit(root_dir=runs, max_steps=4, ckpt_path="auto")  # the same resume, the links gone: it continues
     # The checkpoint_dir the user names may itself be a link: followed, the checkpoints land in its target.
+    # A link at a name unison never uses there (a person's note) is left alone: the run trains beside it.
     real = tmp_path / "real"
     real.mkdir()
+    (real / "notes.txt").symlink_to(outside / "precious.txt")
     (tmp_path / "linked").symlink_to(real)
     _fit(tmp_path / "linked")
     assert (real / "step-00000002" / "manifest.json").is_file() and os.path.islink(tmp_path / "linked")
+    assert sorted(p.name for p in real.iterdir()) == [".unison-lease.guard", "latest", "notes.txt", "step-00000002"]
 
 
 # --------------------------------------------------------------------------- #
