@@ -42,6 +42,8 @@ FULL_TIER = {
     "test_multinode_cluster.py": "two torchrun agents per cluster environment",
     "test_lifecycle.py": "fault injection: worker restarts in a row, preemption signals, rendezvous timeouts",
     "test_watchdog.py": "fault injection: frozen and stopped ranks, waiting out stall timeouts by design",
+    "test_s3_uploads.py": "fault injection: uploads held past the client's timeout by a slow proxy, landing late",
+    "test_two_fits.py": "three plain torchrun jobs of two fits each, to catch a rendezvous that fails 1 in 4",
     "test_watchdog_collectives.py": "fault injection: a stopped rank, waiting out a stall timeout by design",
     "test_prometheus.py": "a real Prometheus and Pushgateway started, scraping a 2-rank job (12-30 s)",
     "test_s3_run_directories.py": "fault injection: object-storage uploads that fail and are retried",

@@ -11,6 +11,7 @@ precision plugin for the rank's device as the strategy's declaration says.
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,6 +56,11 @@ def join_world(strategy: Strategy, settings: TrainerSettings, say: Callable[[str
         if "MASTER_ADDR" in os.environ:
             say(f"the process group ({backend}, world size {world_size}): waiting for every rank")
             init_process_group(backend)  # rendezvous fails in minutes, not the 10-minute default
+            # Kept for the rest of the process (destroyed at exit), not destroyed when this fit ends: a
+            # second fit in the same worker (a notebook, a hyper-parameter loop) joins it again. Made
+            # anew, it would rendezvous again through torchrun's shared store, whose keys still hold the
+            # first group's addresses (Gloo "Connection refused", or a hang).
+            _keep_until_exit()
         else:
             # A distributed strategy on one process without a launcher: a
             # real, private world of 1 (no network rendezvous needed), never silently.
@@ -64,7 +70,7 @@ def join_world(strategy: Strategy, settings: TrainerSettings, say: Callable[[str
                     "For N processes: Trainer(..., nproc=N), or `unison run --nproc N script.py`"
                 )
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        owns = True
+            owns = True  # a private world of 1: made and destroyed per fit
         rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
         if dist.is_initialized() and world_size > 1:
@@ -77,6 +83,22 @@ def join_world(strategy: Strategy, settings: TrainerSettings, say: Callable[[str
         raise
     env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
     return World(env, owns, control_group)
+
+
+_kept = False
+
+
+def _keep_until_exit() -> None:
+    """Destroy the launcher's process group at interpreter exit (once), after every fit of the process."""
+    global _kept
+    if not _kept:
+        _kept = True
+        atexit.register(_destroy_kept)
+
+
+def _destroy_kept() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def build_precision(
