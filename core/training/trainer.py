@@ -447,7 +447,8 @@ class Trainer:
         self.lr_scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler else None
         self.data.to_device = strategy.to_device
         if env.world_size > 1:  # the last collective each rank entered, for a stall report (assignments only)
-            collectives.install(strategy, lambda: self._watchdog.where)
+            watchdog = self._watchdog  # (not self: the recorder outlives the fit, and must not keep the trainer)
+            collectives.install(strategy, lambda: watchdog.where)
         self.progress = Progress()
         # What a checkpoint holds besides the strategy's files and the RNG, by its name in trainer.pt.
         self._checkpoints = CheckpointManager(
