@@ -35,7 +35,9 @@ GOOD = {"owner": "o", "run": "r", "host": "elsewhere", "pid": 4242, "started": N
 
 
 def _with(**fields) -> bytes:
-    return json.dumps({**GOOD, "host": socket.gethostname(), **fields}).encode()
+    """A record of this host, heartbeating now (at the call: a module collected long before runs later)."""
+    now = time.time()
+    return json.dumps({**GOOD, "host": socket.gethostname(), "started": now, "heartbeat": now, **fields}).encode()
 
 
 ODD = {
@@ -83,8 +85,9 @@ def test_a_record_that_cannot_be_judged_is_taken_over_with_a_warning_naming_what
 
 def test_valid_records_are_still_judged_by_their_holder():
     # A heartbeat a little ahead (clocks differ) and a day's ttl are valid; extra fields of a newer version too.
-    for fields in ({"heartbeat": NOW + 60}, {"ttl": 86_400.0}, {"pid": 7, "comment": "newer"}):
-        holder, problem = Holder.parse(json.dumps({**GOOD, **fields}).encode())
+    now = time.time()
+    for fields in ({"heartbeat": now + 60}, {"ttl": 86_400.0}, {"pid": 7, "comment": "newer"}):
+        holder, problem = Holder.parse(json.dumps({**GOOD, "started": now, "heartbeat": now, **fields}).encode())
         assert problem is None and holder is not None and holder.stale(time.time()) is None
         assert holder.describe().endswith("last heartbeat 0 s ago)")
 
