@@ -17,6 +17,9 @@ Design: stage locally, upload, commit by writing the manifest last.
   the files it wrote under the save's temporary prefix
   ``ROOT/.step-N.partial/``. Every rank uploads its own shards in parallel,
   so it works when the nodes share no file system.
+* Every object of a save goes up as a multipart upload (:mod:`unison.checkpointing.uploads`), so a
+  request the client gave up on and retried can never land after the save returned: the lease is
+  released with every upload finished or cancelled.
 * The manifest is hashed from the bytes *in the bucket* (the ranks share the
   reading), so it vouches for what was stored, not for a local copy.
 * Object stores have no rename. The commit copies every object of the
@@ -58,6 +61,7 @@ from typing import Any, BinaryIO
 
 from unison.checkpointing.retry import first_line, precondition_failed, retried
 from unison.checkpointing.storage import CHUNK, URL, LocalStorage, split_url
+from unison.checkpointing.uploads import abort_uploads, in_partial, put_files, put_object
 from unison.errors import ConfigurationError
 
 #: The manifest's file name (kept here too: unison.checkpointing.manifest imports this package's seam).
@@ -230,13 +234,18 @@ class FsspecStorage(LocalStorage):
             super().make_dir(path)
         # Object stores have no directories: a prefix exists once an object is under it.
 
-    @retried("write")
     def write_bytes(self, path: Path, data: bytes, *, sync: bool = True) -> None:
         key = self._key(path)
         if key is None:
             super().write_bytes(path, data, sync=sync)
+        elif in_partial(key):
+            put_object(self, key, data)  # a save's object: nothing of it can land after this returns (uploads.py)
         else:
-            self.fs.pipe_file(key, data)  # durable once the PUT returns
+            self._put(key, data)
+
+    @retried("write")
+    def _put(self, key: str, data: bytes) -> None:
+        self.fs.pipe_file(key, data)  # durable once the PUT returns
 
     @retried("write")
     def replace_file(self, path: Path, text: str) -> None:
@@ -267,8 +276,14 @@ class FsspecStorage(LocalStorage):
         """``step-*`` prefixes under ``root`` without a manifest: copies a kill stopped before the manifest.
 
         Only :meth:`commit_dir` writes ``step-*`` prefixes and it writes the
-        manifest last, so such a prefix was never a checkpoint.
+        manifest last, so such a prefix was never a checkpoint. Called when the
+        lease is held and before any save: the unfinished multipart uploads
+        of ``.partial`` prefixes (a killed save's; they hold no object, so no
+        listing shows them) are aborted here too.
         """
+        key = self._key(root)
+        if key is not None:
+            abort_uploads(self, key)
         names = [n for n in self.list_dir(root) if n.startswith("step-")]
         return [n for n in names if not self.exists(root / n / _MANIFEST) and self.exists(root / n)]
 
@@ -289,6 +304,8 @@ class FsspecStorage(LocalStorage):
         key = self._key(path)
         if key is None:
             return super().remove_tree(path)
+        if in_partial(key):
+            abort_uploads(self, key)  # uploads a killed save left unfinished (invisible, but stored)
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm(key, recursive=True)
 
@@ -360,14 +377,15 @@ class FsspecStorage(LocalStorage):
         finally:
             shutil.rmtree(local, ignore_errors=True)
 
-    @retried("upload to")
     def upload(self, local: Path, path: Path, names: list[str]) -> None:
-        """Copy the files ``names`` (relative POSIX paths) of local directory ``local`` to ``path/name``."""
+        """Copy the files ``names`` (relative POSIX paths) of local directory ``local`` to ``path/name``.
+
+        As multipart uploads, several at once, each finished or aborted when this returns
+        (:mod:`unison.checkpointing.uploads` says why); every call is retried on transient errors.
+        """
         key = self._key(path)
         assert key is not None, f"{path} is not in {self.scheme}:// storage"
-        if names:
-            # One call: s3fs uploads the files concurrently.
-            self.fs.put([str(local / n) for n in names], [f"{key}/{n}" for n in names])
+        put_files(self, local, key, names)
 
     def localize(self, path: Path) -> Path:
         """Download every object under ``path`` (those already cached at the same ETag are kept); the local dir."""
