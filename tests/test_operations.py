@@ -159,3 +159,45 @@ def test_unison_train_with_a_bad_config_prints_json_records_and_one_error():
     out, err = records(proc.stdout), records(proc.stderr)
     assert [r["message"] for r in out] == ["unison train examples/tinylm.toml: loading torch, checking the config"]
     assert [r["level"] for r in err] == ["error"] and "trainer.max_steps" in err[0]["message"]
+
+
+def straggler_world() -> dict[str, Any]:
+    """A 2-rank ddp fit with StragglerReport, host reads counted per step (tests/test_host_syncs.py's counter)."""
+    import torch
+    from test_host_syncs import SyncCounter
+
+    from unison.plugins.callbacks import StragglerReport
+
+    from helpers import mlp, regression_data
+
+    counter, report = SyncCounter(), StragglerReport()
+    trainer = unison.Trainer(
+        strategy="ddp",
+        max_steps=6,
+        global_batch_size=16,
+        log_every_n_steps=3,
+        progress="off",
+        loggers=False,
+        throughput=False,
+        callbacks=[counter, report],
+    )
+    with counter:
+        trainer.fit(
+            mlp(),
+            regression_data(n=256),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+        )
+    return {"reads": [dict(counter.device_reads(s)) for s in range(6)], "last": report.last}
+
+
+@pytest.mark.distributed
+def test_the_straggler_exchange_runs_on_logging_steps_only_and_reads_nothing_between_them():
+    from unison.launch.torchrun import spawn
+
+    for rank in spawn(straggler_world, 2, timeout=300):
+        reads = rank["reads"]
+        for step in (0, 1, 3, 4):  # steps 2 and 5 log (log_every_n_steps=3)
+            assert reads[step] == {}, (step, reads[step])
+        assert any(site.startswith("stragglers.py") for site in reads[2]), reads[2]  # the exchange's values
+        assert rank["last"]["step"] == 6 and len(rank["last"]["step_time"]) == 2
