@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import pydantic
 import torch
 
-from unison.contract.env import DistEnv, resolve_accelerator
+from unison.contract.env import resolve_accelerator
 from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
@@ -59,7 +59,6 @@ from unison.contract.ownership import (
     StateDictKind,
 )
 from unison.contract.replicated import TRAINER_PRECISION, ReplicatedStrategy
-from unison.contract.settings import TrainerSettings
 from unison.contract.state import canonical
 from unison.contract.strategy import OptimizerFactory, Strategy
 from unison.errors import ConfigurationError
@@ -75,7 +74,7 @@ from unison.strategies._upstream.fairscale import remove_grad_hooks
 from unison.strategies._upstream.torch import FlagReducingGradScaler
 
 if TYPE_CHECKING:  # pragma: no cover
-    from unison.contract.precision import Precision
+    pass
 
 # --------------------------------------------------------------------------- #
 # fairscale_oss: OSS + torch DDP
@@ -214,26 +213,19 @@ class FairscaleSDPStrategy(ReplicatedStrategy):
             ),
         )
 
-    def setup(
-        self,
-        module: torch.nn.Module,
-        make_optimizer: OptimizerFactory,
-        *,
-        env: DistEnv | None = None,
-        precision: Precision,
-        settings: TrainerSettings,
-    ) -> None:
-        """The template's setup, then the wrapper: ShardedDataParallel reads the partition from OSS, so it
-        wraps after the optimizer exists (the template's order, wrap then optimizer, cannot hold here)."""
-        super().setup(module, make_optimizer, env=env, precision=precision, settings=settings)
+    def build(self, module: torch.nn.Module, make_optimizer: OptimizerFactory) -> tuple[Any, torch.optim.Optimizer]:
+        """The optimizer, then the wrapper: ShardedDataParallel reads the partition from OSS, so it wraps after
+        the optimizer exists (the default order, wrap then optimizer, cannot hold here)."""
         from fairscale.nn.data_parallel import ShardedDataParallel
 
-        self.model = ShardedDataParallel(
-            self.module,
-            self.optimizer,
+        optimizer = self.build_optimizer(make_optimizer)
+        model = ShardedDataParallel(
+            module,
+            optimizer,
             reduce_buffer_size=self.options.reduce_buffer_size,
             broadcast_buffers=self.options.broadcast_buffers,
         )
+        return model, optimizer
 
     def build_optimizer(self, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
         assert self.module is not None

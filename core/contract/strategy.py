@@ -32,9 +32,11 @@ values, and a :class:`Strategy` subclass. Read this module in order:
 3. **Set up** (:meth:`Strategy.setup`, a template method): called once per
    ``fit`` on every rank, after the process group exists, the seed was set and
    replicas were made equal (when the trainer owns that). It binds the env and
-   runs four hooks a strategy overrides as needed: ``configure_module`` (move
+   runs the hooks a strategy overrides as needed: ``configure_module`` (move
    to the device), ``apply_features`` (activation checkpointing, ``torch.compile``;
-   API 2.1), ``wrap_module`` (DDP, FSDP...), ``build_optimizer``.
+   API 2.1), then ``build`` (API 2.3), which by default is ``wrap_module`` (DDP,
+   FSDP...) then ``build_optimizer``, and which an engine that does both in one
+   call (DeepSpeed, pipelines) implements whole. No built-in overrides ``setup``.
 4. **Hot path**: ``forward``, ``backward``, ``clip_grad_norm``,
    ``optimizer_step``, ``zero_grad``, ``to_device``, ``reduce_sum``.
 5. **State**: ``full_state_dict`` (canonical), ``save_state`` / ``load_state``.
@@ -289,8 +291,8 @@ class Strategy(abc.ABC):
     # the wrapper replaced the parameters or forget an attribute; the hooks
     # implement what differs per backend (torchtitan's checkpointer: public
     # methods guard, hooks implement). A backend whose engine wraps and builds
-    # the optimizer in one call (DeepSpeed, pipelines) overrides setup itself,
-    # with this signature.
+    # the optimizer in one call (DeepSpeed, pipelines) implements build, so the
+    # binding and the features stay the template's for every strategy.
     def setup(
         self,
         module: torch.nn.Module,
@@ -301,7 +303,7 @@ class Strategy(abc.ABC):
         settings: TrainerSettings,
     ) -> None:
         """Move, transform, wrap, build the optimizer: ``configure_module`` -> ``apply_features`` ->
-        ``wrap_module`` -> ``build_optimizer``.
+        ``build`` (by default ``wrap_module`` -> ``build_optimizer``).
 
         Called once per ``fit`` on every rank, after the process group exists.
         ``env`` is this rank's place in the world (``None`` keeps the
@@ -315,7 +317,9 @@ class Strategy(abc.ABC):
         The trainer binds :attr:`env`, :attr:`precision` and :attr:`settings` on
         the strategy before it calls this (and passes them too), so an override
         (an engine that wraps and builds the optimizer in one call) finds them
-        bound whether or not it binds them itself. An override runs no
+        bound whether or not it binds them itself. An engine that wraps and
+        builds the optimizer in one call implements :meth:`build` (API 2.3)
+        rather than overriding this. An override runs no
         :meth:`apply_features`: one written for API 2.0 has its declaration
         refuse ``compile`` and ``activation_checkpointing`` with the reason
         (:mod:`unison.contract.compat`); from 2.1 on, an override applies them
@@ -328,8 +332,21 @@ class Strategy(abc.ABC):
         self.precision, self.settings = precision, settings
         self.module = self.configure_module(module)
         self.apply_features(self.module)
-        self.model = self.wrap_module(self.module)
-        self.optimizer = self.build_optimizer(make_optimizer)
+        self.model, self.optimizer = self.build(self.module, make_optimizer)
+
+    def build(self, module: torch.nn.Module, make_optimizer: OptimizerFactory) -> tuple[Any, torch.optim.Optimizer]:
+        """Hook: what forward calls and the optimizer, from the configured, featured ``module`` (API 2.3).
+
+        Default: :meth:`wrap_module`, then :meth:`build_optimizer` over what the
+        wrapper trains (so a wrapper that replaces parameters, FSDP, is seen by
+        the optimizer). An engine whose one call does both (``deepspeed.initialize``,
+        a pipeline's stages and schedule, a wrapper that needs its optimizer
+        first) implements this instead of overriding :meth:`setup`; it may also
+        replace :attr:`module` with the module this rank trains (a pipeline
+        stage's layers), from which canonical names come.
+        """
+        self.model = self.wrap_module(module)
+        return self.model, self.build_optimizer(make_optimizer)
 
     def configure_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Hook: the module this rank trains, unwrapped (default: ``module`` moved to :attr:`env`'s device)."""

@@ -44,7 +44,9 @@ from unison.errors import PluginError
 #: (:class:`~unison.contract.ownership.LossNormalisation`: how backward and the gradient reduction divide),
 #: ``Strategy.scale_gradients``, and the
 #: ``item_weighted_loss`` feature (``(loss_sum, num_items)`` losses); a 2.2 strategy on the trainer's
-#: accumulation path takes that form unchanged, an engine or schedule that declares nothing refuses it.
+#: accumulation path takes that form unchanged, an engine or schedule that declares nothing refuses it;
+#: the ``build(module, make_optimizer)`` hook of the ``setup`` template, for engines that wrap and build the
+#: optimizer in one call (an override of ``setup`` keeps working).
 API_VERSION = "2.3"
 
 
@@ -151,6 +153,7 @@ def check_signatures(cls: type, what: str) -> None:
 CONTRACT_METHODS = (
     "setup",
     "configure_module",
+    "build",
     "wrap_module",
     "build_optimizer",
     "forward",

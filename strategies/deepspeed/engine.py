@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from unison.contract.env import DistEnv, resolve_accelerator
+from unison.contract.env import resolve_accelerator
 from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
@@ -211,25 +211,17 @@ class DeepSpeedStrategy(Strategy):
         self.build_config(s, max(world_size, 1))
 
     # -- setup ------------------------------------------------------------- #
-    def setup(
-        self,
-        module: torch.nn.Module,
-        make_optimizer: OptimizerFactory,
-        *,
-        env: DistEnv | None = None,
-        precision: Any,
-        settings: Any,
-    ) -> None:
-        # The engine wraps and builds the optimizer in one call: its own setup, not the template's hooks.
-        self.env = env = env or self.env
-        assert env is not None
+    def build(self, module: torch.nn.Module, make_optimizer: OptimizerFactory) -> tuple[Any, torch.optim.Optimizer]:
+        # The engine wraps and builds the optimizer in one call (module on the device already; the template
+        # bound env, precision and settings).
+        env, precision, settings = self.env, self.precision, self.settings
+        assert env is not None and precision is not None and settings is not None
         deepspeed = ds.import_deepspeed(env.device)
         # DeepSpeed reads LOCAL_RANK from the environment even when the process
         # group exists; a run without a launcher has none (the trainer's world of 1).
         os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
         self.ds_config = self.build_config(settings, env.world_size)
         self._dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision.name, torch.float32)
-        module = module.to(env.device)
         # The fp32 weights as the user built them: DeepSpeed casts the module to
         # bf16/fp16 before it creates the fp32 master copy, which would start
         # the masters from rounded values; they are restored below.
@@ -251,14 +243,12 @@ class DeepSpeedStrategy(Strategy):
         self.canonical = ZeroCanonicalState(self.stage, self.engine, module, optimizer, skeleton, group_names)
         if exact:
             self.canonical.restore_fp32_masters(exact)
-        self.module = module
-        self.model = self.engine
+        self._boundary = False
         # The client optimizer: the ZeRO optimizer steps it over its flat
         # partitions and shares its param_groups dicts, so a scheduler built
         # on it changes the lr the engine applies, and lrs read from it are
         # the lrs used.
-        self.optimizer = optimizer
-        self._boundary = False
+        return self.engine, optimizer
 
     # -- hot path ----------------------------------------------------------- #
     def forward(self, inputs: Any) -> Any:

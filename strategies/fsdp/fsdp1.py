@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from unison.contract.env import DistEnv, resolve_accelerator
+from unison.contract.env import resolve_accelerator
 from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
@@ -28,7 +28,8 @@ from unison.strategies.fsdp.common import (
     shard_units,
 )
 
-#: Why ``fsdp1`` refuses the module features: its own setup applies neither.
+#: Why ``fsdp1`` refuses the module features: it applies neither (its flat-parameter wrapper is not certified
+#: with them).
 FSDP1_FEATURE = (
     "fsdp1 (FullyShardedDataParallel, flat parameters) is kept for existing runs and applies neither torch.compile "
     "nor activation checkpointing; use fsdp (FSDP2), which compiles and checkpoints per block"
@@ -86,18 +87,11 @@ class FSDP1Strategy(ShardedStrategy):
             notes=_NOTES,
         )
 
-    def setup(
-        self,
-        module: torch.nn.Module,
-        make_optimizer: OptimizerFactory,
-        *,
-        env: DistEnv | None = None,
-        precision: Any,
-        settings: Any,
-    ) -> None:
-        # Its own setup: mesh, per-unit sharding policies and the root are one sequence.
-        self.env = env = env or self.env
-        assert env is not None
+    def build(self, module: torch.nn.Module, make_optimizer: OptimizerFactory) -> tuple[Any, torch.optim.Optimizer]:
+        # The optimizer before the wrapper (see below), then the mesh, the per-unit policy and the root in one
+        # sequence: not the default wrap-then-optimizer order.
+        env, precision = self.env, self.precision
+        assert env is not None and precision is not None
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import (
             CPUOffload,
@@ -107,7 +101,6 @@ class FSDP1Strategy(ShardedStrategy):
         )
         from torch.distributed.fsdp.wrap import CustomPolicy
 
-        module = module.to(env.device)
         self._canonical_keys = list(module.state_dict().keys())
         # With a device mesh, FSDP1's sharded state dict holds DTensors rather
         # than ShardedTensors. Not optional: DCP drops a ShardedTensor that has
@@ -116,7 +109,9 @@ class FSDP1Strategy(ShardedStrategy):
         # layout and fails the resume with "Missing key ... optim.param_groups".
         mesh = init_device_mesh(env.device.type, (env.world_size,))
         units = {id(m) for _, m in shard_units(module, self.options.shard_module_classes)}
-        self._policy_precision = precision.support.owner is PrecisionOwner.SHARDING_POLICY
+        self._policy_precision = (
+            precision.support is not None and precision.support.owner is PrecisionOwner.SHARDING_POLICY
+        )
         # cast_forward_inputs: every unit casts its floating inputs to bf16, as
         # FSDP2 does; otherwise an fp32 activation (e.g. after adding an fp32
         # buffer) would meet bf16 weights in the next unit.
@@ -131,9 +126,8 @@ class FSDP1Strategy(ShardedStrategy):
         # shape (``p.ndim >= 2`` decays, as in nanoGPT) sees the real shapes.
         # Built after wrapping, every parameter looked 1-D and landed in the
         # no-decay group (a conformance failure of the lr_scheduler scenario).
-        self.optimizer = make_optimizer(module.parameters())
-        self.module = module
-        self.model = FullyShardedDataParallel(
+        optimizer = make_optimizer(module.parameters())
+        model = FullyShardedDataParallel(
             module,
             auto_wrap_policy=CustomPolicy(lambda m: id(m) in units),
             sharding_strategy=ShardingStrategy.FULL_SHARD
@@ -145,8 +139,8 @@ class FSDP1Strategy(ShardedStrategy):
             device_mesh=mesh,
             use_orig_params=True,
         )
-        wrapped = {id(p) for p in self.model.parameters()}
-        if any(id(p) not in wrapped for group in self.optimizer.param_groups for p in group["params"]):
+        wrapped = {id(p) for p in model.parameters()}
+        if any(id(p) not in wrapped for group in optimizer.param_groups for p in group["params"]):
             raise RuntimeError("FullyShardedDataParallel replaced parameters the optimizer holds; cannot continue")
         # Adagrad makes its state in its constructor, shaped like the whole parameters; FSDP has since
         # replaced each parameter's data with this rank's 1-D shard. That state is dropped, all of it
@@ -154,7 +148,8 @@ class FSDP1Strategy(ShardedStrategy):
         # optimizers differ in having state diverge in the checkpoint's collectives): the optimizer
         # makes it again at its first step, over the shard (torch's Adagrad from its defaults, as its
         # constructor did). A factory's optimizer has no other state.
-        self.optimizer.state.clear()
+        optimizer.state.clear()
+        return model, optimizer
 
     def validate(self, settings: Any, world_size: int) -> None:
         if self.options.cpu_offload and resolve_accelerator(settings.accelerator) == "cpu":

@@ -20,7 +20,6 @@ from unison.contract.ownership import (
     StateDictKind,
 )
 from unison.contract.state import canonical
-from unison.contract.strategy import OptimizerFactory
 from unison.contract.transforms import checkpoint_blocks, compile_forward, compile_options, required_blocks
 from unison.strategies.fsdp.common import (
     SHARDED_DCP,
@@ -85,29 +84,21 @@ class FSDP2Strategy(ShardedStrategy):
             notes=_NOTES,
         )
 
-    def setup(
-        self,
-        module: torch.nn.Module,
-        make_optimizer: OptimizerFactory,
-        *,
-        env: DistEnv | None = None,
-        precision: Any,
-        settings: Any,
-    ) -> None:
-        # Its own setup: mesh, per-unit sharding policies and the root are one sequence.
-        self.env = env = env or self.env
-        assert env is not None
+    def wrap_module(self, module: torch.nn.Module) -> Any:
+        # Mesh, per-unit sharding policies and the root are one sequence; the module is sharded in place (its
+        # parameters become DTensors), so it is both what forward calls and what the optimizer trains.
+        env, precision = self.env, self.precision
+        assert env is not None and precision is not None
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
             OffloadPolicy,
             fully_shard,
         )
 
-        self.settings = settings
-        module = module.to(env.device)
-        self.apply_features(module)
         mesh = self._shard_mesh(env, module)
-        self._policy_precision = precision.support.owner is PrecisionOwner.SHARDING_POLICY
+        self._policy_precision = (
+            precision.support is not None and precision.support.owner is PrecisionOwner.SHARDING_POLICY
+        )
         inner_mp, root_mp = sharding_policies(self._policy_precision)
         offload = (
             CPUOffloadPolicy(pin_memory=env.device.type == "cuda") if self.options.cpu_offload else OffloadPolicy()
@@ -119,8 +110,7 @@ class FSDP2Strategy(ShardedStrategy):
         for _, unit in reversed(shard_units(module, self.options.shard_module_classes)):
             fully_shard(unit, mp_policy=inner_mp, **common)
         fully_shard(module, mp_policy=root_mp, **common)
-        self.module = self.model = module
-        self.optimizer = make_optimizer(module.parameters())
+        return module
 
     def validate_model(self, model: torch.nn.Module, settings: Any) -> None:
         super().validate_model(model, settings)

@@ -31,7 +31,6 @@ import pydantic
 import torch
 import torch.distributed as dist
 
-from unison.contract.env import DistEnv
 from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
@@ -135,18 +134,10 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
             )
         check_model(model, self.layout.chunks, None)
 
-    def setup(
-        self,
-        module: torch.nn.Module,
-        make_optimizer: OptimizerFactory,
-        *,
-        env: DistEnv | None = None,
-        precision: Any,
-        settings: Any,
-    ) -> None:
-        # The engine wraps and builds the optimizer in one call: its own setup, not the template's hooks.
-        self.env = env = env or self.env
-        assert env is not None
+    def build(self, module: torch.nn.Module, make_optimizer: OptimizerFactory) -> tuple[Any, torch.optim.Optimizer]:
+        # The engine wraps and builds the optimizer in one call (module on the device already).
+        env, settings = self.env, self.settings
+        assert env is not None and settings is not None
         deepspeed = import_deepspeed(env.device)
         from deepspeed.pipe import PipelineModule
         from deepspeed.runtime.pipe.topology import ProcessTopology
@@ -156,14 +147,13 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
         # PipelineModule needs deepspeed.comm before the engine exists; it
         # wraps the trainer's process group.
         deepspeed.init_distributed(dist_backend=dist.get_backend())
-        module = module.to(env.device)
         pipe_module = PipelineModule(
             layers=list(module.children()),
             loss_fn=self._ds_loss,
             topology=ProcessTopology(axes=["data", "pipe"], dims=[R, S]),
             partition_method=self.options.partition_method,
         )
-        self.optimizer = make_optimizer(pipe_module.parameters())
+        optimizer = make_optimizer(pipe_module.parameters())
         config = {
             "train_batch_size": settings.global_batch_size,
             "train_micro_batch_size_per_gpu": settings.micro_batch_size(R),
@@ -171,7 +161,7 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
             "gradient_clipping": 0.0,  # the trainer clips by the global norm
             "steps_per_print": 2**31 - 1,
         }
-        self.engine, _, _, _ = deepspeed.initialize(model=pipe_module, optimizer=self.optimizer, config=config)
+        self.engine, _, _, _ = deepspeed.initialize(model=pipe_module, optimizer=optimizer, config=config)
         stage = self.layout.stage_of(env.rank)
         assert self.engine.stage_id == stage, "DeepSpeed topology disagrees with the rank layout"
         self._place(
@@ -182,8 +172,8 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
             dp_group=self.engine.grid.get_data_parallel_group(),
             micro_batches=settings.accumulate_grad_batches,
         )
-        self.module = pipe_module
-        self.model = self.engine
+        self.module = pipe_module  # what this rank trains: canonical names come from it
+        return self.engine, optimizer
 
     def _ds_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._loss is not None

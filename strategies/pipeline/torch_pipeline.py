@@ -68,7 +68,6 @@ from unison.contract.ownership import (
 )
 from unison.contract.precision import Precision
 from unison.contract.strategy import LossFn, OptimizerFactory
-from unison.contract.transforms import checkpoint_blocks
 from unison.errors import ConfigurationError
 from unison.strategies._upstream.torch import (
     FlagReducingGradScaler,
@@ -273,29 +272,24 @@ class PipelineStrategy(StagedStrategy):
         ``pipeline_fsdp`` shards each one with FSDP2 on the ``"dp"`` sub-mesh.
         """
 
-    def setup(
-        self,
-        module: torch.nn.Module,
-        make_optimizer: OptimizerFactory,
-        *,
-        env: DistEnv | None = None,
-        precision: Any,
-        settings: Any,
-    ) -> None:
-        # Splitting into stages builds the modules this rank trains: its own setup, not the template's hooks.
-        self.env = env = env or self.env
-        assert env is not None
+    def configure_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        # The whole model stays where it was built: each rank moves only its own stages to its device (build).
+        return module
+
+    # The template's apply_features checkpoints the blocks before the split (the blocks are the split points,
+    # or the model's `blocks`), so each stage's schedule recomputes its own blocks' forward in its backward;
+    # compile is a declared refusal.
+
+    def build(self, module: torch.nn.Module, make_optimizer: OptimizerFactory) -> tuple[Any, torch.optim.Optimizer]:
+        # Splitting into stages builds the modules this rank trains, and the schedule is what the trainer calls.
+        env, precision, settings = self.env, self.precision, self.settings
+        assert env is not None and precision is not None and settings is not None
         from torch.distributed import pipelining
 
         o, layout = self.options, self.layout
         mesh = self._device_mesh(env)
         pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         balance = check_model(module, layout.chunks, o.balance, layout.per_rank)
-        self.settings = settings
-        if settings.activation_checkpointing is not None:
-            # Before the split: the blocks are the split points (or the model's `blocks`), and each
-            # stage's schedule recomputes its own blocks' forward in its backward.
-            checkpoint_blocks(module, settings.activation_checkpointing)
         module = as_layers(module)
         chunks = split_sequential(module, balance)
         mine = layout.chunks_of(layout.stage_of(env.rank))
@@ -329,8 +323,7 @@ class PipelineStrategy(StagedStrategy):
             loss_fn=self._schedule_loss,
             scale_grads=False,
         )
-        self.model = self.schedule
-        self.optimizer = make_optimizer(self.module.parameters())
+        return self.schedule, make_optimizer(self.module.parameters())
 
     # -- hot path ---------------------------------------------------------- #
     def _schedule_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
