@@ -184,6 +184,20 @@ def flatten_dense_tensors(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return result
 
 
+def scale_tensors(tensors: Sequence[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply every tensor of ``tensors`` (one dtype and device) by the 0-dim ``factor`` in place, in one launch."""
+    _check()
+    # PRIVATE torch._foreach_mul_: the multi-tensor kernel torch's own optimizers and clip_grad_norm_ use (one
+    # launch for every gradient); a loop of mul_ otherwise.
+    foreach_mul = getattr(torch, "_foreach_mul_", None)
+    if foreach_mul is None:
+        _missing("torch._foreach_mul_", "one mul_ per tensor instead")
+        for t in tensors:
+            t.mul_(factor)
+        return
+    foreach_mul(list(tensors), factor)
+
+
 def unflatten_dense_tensors(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Views of ``flat`` shaped like ``tensors`` (the inverse of :func:`flatten_dense_tensors`)."""
     _check()

@@ -416,8 +416,10 @@ class Strategy(abc.ABC):
             if p.grad is not None:
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 grads.setdefault(grad.dtype, []).append(grad)
+        from unison._upstream import scale_tensors
+
         for dtype, tensors in grads.items():
-            torch._foreach_mul_(tensors, factor.to(device=tensors[0].device, dtype=dtype))
+            scale_tensors(tensors, factor.to(device=tensors[0].device, dtype=dtype))
 
     @abc.abstractmethod
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
