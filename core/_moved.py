@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
-import sys
+import inspect
 import types
 import warnings
 from typing import Any
@@ -140,8 +140,10 @@ GONE: dict[tuple[str, str], tuple[Any, str]] = {
 
 def _warn(message: str, stacklevel: int) -> None:
     """Warn at the code that named the old path, ``stacklevel`` frames up from here."""
-    caller = sys._getframe(stacklevel - 1)
-    if caller.f_code.co_name == "_handle_fromlist":
+    caller = inspect.currentframe()
+    for _ in range(stacklevel - 1):
+        caller = caller.f_back if caller is not None else None
+    if caller is not None and caller.f_code.co_name == "_handle_fromlist":
         # ``from unison.data import TrainData`` asks twice: the import system's hasattr, then the
         # statement itself; warn once, at the statement's line.
         return

@@ -179,9 +179,9 @@ class Holder:
             if name not in record or isinstance(value, bool) or not isinstance(value, kind):
                 return None, f"its {name} is {json.dumps(value)[:40] if name in record else 'missing'}"
         holder = cls(**{name: record[name] for name in _FIELDS})
-        return (None, problem) if (problem := holder._invalid(now)) else (holder, None)
+        return (None, problem) if (problem := holder.problem(now)) else (holder, None)
 
-    def _invalid(self, now: float) -> str | None:
+    def problem(self, now: float) -> str | None:
         """What makes the values of a well-typed record impossible, or ``None``."""
         if not 0 < self.pid < 1 << 31:  # (a pid_t; os.kill would overflow on more)
             return f"its pid is {self.pid}"
