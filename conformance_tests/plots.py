@@ -69,6 +69,12 @@ def deviation_plot(report: SuiteReport, scenario: Scenario) -> str:
     from matplotlib.ticker import LogLocator, MaxNLocator
 
     series = deviation_series(report, scenario)
+    if not series and any(r.backend == "strategy" for r in scenario.runs):
+        # default_plugins, fresh_resume: Dropout masks are drawn per rank, so no reference run has them.
+        return (
+            f"<p><i>{scenario.name}: the strategy's runs are compared with each other (bit for bit), not with "
+            "the reference: no deviation from it to plot</i></p>"
+        )
     if not series:
         return f"<p><i>{scenario.name}: no strategy run to compare</i></p>"
     tol = TOLERANCES.get(scenario.precision)

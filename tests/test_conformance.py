@@ -262,7 +262,8 @@ def test_terminal_table_and_files(report):
     assert data["tolerances"]["32-true"]["param"] == 1e-5
 
     html = (report.report_dir / "report.html").read_text()
-    assert html.count("<svg") == len(TRAIN)
+    assert html.count("<svg") == len(TRAIN) - len(SELF_COMPARED)
+    assert "fresh_resume: the strategy's runs are compared with each other (bit for bit)" in html
     import xml.etree.ElementTree as ET
 
     ns = "{http://www.w3.org/2000/svg}"
