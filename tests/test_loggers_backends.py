@@ -36,7 +36,9 @@ STRATEGIES = ["single", *BACKENDS]
 #: The fp32 ceiling of README "Numerics": losses and norms agree across backends within float round-off.
 FP32_REL = 1e-5
 #: Measured, not compared: wall times and memory differ between runs.
-MEASURED = ("perf/",)
+#: Measured per run, not trained: wall times and throughput, and a checkpoint's save time and size on disk (each
+#: backend writes its own files).
+MEASURED = ("perf/", "checkpoint/")
 
 
 @pytest.fixture(scope="module")

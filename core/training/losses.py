@@ -77,7 +77,7 @@ def loss_value(value: Any, name: str) -> LossValue:
         got = type(value).__name__
     raise ConfigurationError(
         name,
-        f"{name} returned {got}; the trainer needs the micro-batch's mean loss as a 0-dim tensor, or the pair "
+        f"{name} returned {got}; the trainer needs the micro-batch's mean loss as a scalar tensor, or the pair "
         "(loss_sum, num_items): a 0-dim summed loss and the number of items (tokens, labels) it sums over",
         "return a 0-dim tensor that requires grad (e.g. reduce with .mean(); do not call .item()), or "
         "(losses.sum(), mask.sum()) for a loss normalised by the step's global item count",

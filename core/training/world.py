@@ -56,11 +56,14 @@ def join_world(strategy: Strategy, settings: TrainerSettings, say: Callable[[str
         if "MASTER_ADDR" in os.environ:
             say(f"the process group ({backend}, world size {world_size}): waiting for every rank")
             init_process_group(backend)  # rendezvous fails in minutes, not the 10-minute default
-            # Kept for the rest of the process (destroyed at exit), not destroyed when this fit ends: a
-            # second fit in the same worker (a notebook, a hyper-parameter loop) joins it again. Made
-            # anew, it would rendezvous again through torchrun's shared store, whose keys still hold the
-            # first group's addresses (Gloo "Connection refused", or a hang).
-            _keep_until_exit()
+            if world_size > 1:
+                # Kept for the rest of the process (destroyed at exit), not destroyed when this fit ends: a
+                # second fit in the same worker (a notebook, a hyper-parameter loop) joins it again. Made
+                # anew, it would rendezvous again through torchrun's shared store, whose keys still hold the
+                # first group's addresses (Gloo "Connection refused", or a hang).
+                _keep_until_exit()
+            else:
+                owns = True  # one process: no peer to reconnect to; made and destroyed per fit, as before
         else:
             # A distributed strategy on one process without a launcher: a
             # real, private world of 1 (no network rendezvous needed), never silently.
