@@ -12,9 +12,10 @@ Where it is recorded, and why there:
   point-to-point ``send``/``recv``...): :func:`install` wraps the module's functions once per process;
   the operation is the function's name and the group its ranks and backend.
 * **The strategy's own sync points**, whose collectives may run in C++ and never pass through
-  those functions (DDP's reducer all-reduces gradients inside ``backward``): each ``backward`` that
-  is not inside ``no_sync()`` is recorded as ``backward (gradient sync)``; a pipeline's
-  ``forward_backward`` as ``forward_backward (pipeline schedule)``. ``backward`` also counts the
+  those functions (DDP's reducer all-reduces gradients inside ``backward``): the training loop,
+  which decides where gradients are synchronised (the accumulation declaration), records each
+  ``backward`` it calls outside ``no_sync()`` as ``backward (gradient sync)`` and a pipeline's
+  ``forward_backward`` as ``forward_backward (pipeline schedule)``, and counts the
   step's micro-steps (0-based), so a record says which micro-batch a rank was in.
 
 Recording costs a few attribute assignments per call: no I/O, no lock, no device work; the group is
@@ -29,11 +30,10 @@ straggler reports (:mod:`unison.plugins.callbacks.stragglers`). Asynchronous cal
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -170,11 +170,12 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return recorded
 
 
-def install(strategy: Any, where: Callable[[], tuple[int, str]]) -> None:
-    """Record this process's collectives (once) and ``strategy``'s sync points, at ``where()``'s step.
+def install(where: Callable[[], tuple[int, str]]) -> None:
+    """Record this process's collectives (once), at ``where()``'s step.
 
-    Called by the trainer when a fit of several ranks starts. The strategy's methods are shadowed on
-    the instance (its behaviour is unchanged; its class is untouched).
+    Called by the trainer when a fit of several ranks starts. The strategy's own sync points are
+    recorded by the training loop where it calls them (:meth:`CollectiveRecorder.enter`,
+    :meth:`CollectiveRecorder.micro_step`); nothing of the strategy is wrapped.
     """
     global _installed
     RECORDER.follow(where)
@@ -184,42 +185,3 @@ def install(strategy: Any, where: Callable[[], tuple[int, str]]) -> None:
             if fn is not None and not getattr(fn, "__unison_recorded__", False):
                 setattr(dist, name, _wrap(name, fn))
         _installed = True
-    _instrument(strategy)
-
-
-def _instrument(strategy: Any) -> None:
-    if getattr(strategy, "_unison_recorded", False):  # a second fit of the same strategy: already shadowed
-        return
-    strategy._unison_recorded = True
-    recorder = RECORDER
-    deferred = [False]
-    backward = strategy.backward
-
-    def recorded_backward(loss: Any) -> Any:
-        recorder.micro_step()
-        if not deferred[0]:
-            recorder.enter("backward (gradient sync)", None)
-        return backward(loss)
-
-    strategy.backward = recorded_backward
-    no_sync = getattr(strategy, "no_sync", None)
-    if no_sync is not None:
-
-        @contextlib.contextmanager
-        def recorded_no_sync() -> Iterator[Any]:
-            deferred[0] = True
-            try:
-                with no_sync() as value:
-                    yield value
-            finally:
-                deferred[0] = False
-
-        strategy.no_sync = recorded_no_sync
-    schedule = getattr(strategy, "forward_backward", None)
-    if schedule is not None:
-
-        def recorded_schedule(*args: Any, **kwargs: Any) -> Any:
-            recorder.enter("forward_backward (pipeline schedule)", None)
-            return schedule(*args, **kwargs)
-
-        strategy.forward_backward = recorded_schedule

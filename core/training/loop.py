@@ -30,6 +30,7 @@ import torch
 
 from unison.contract.ownership import AccumulationOwner, Feature, GradSync
 from unison.errors import ConfigurationError
+from unison.launch.collectives import RECORDER
 from unison.training.losses import LossValue, loss_value
 from unison.training.nonfinite import NonFiniteCheck
 from unison.training.outputs import NonFiniteError, StepOutput
@@ -236,6 +237,7 @@ class TrainLoop:
             loss_fn = trainer.loss_fn
             if trainer.ownership.refusal(Feature.ITEM_WEIGHTED_LOSS) is not None:
                 loss_fn = _RefusePairs(loss_fn, self._refuse_pairs)  # the schedule could not pass a pair through
+            RECORDER.enter("forward_backward (pipeline schedule)", None)  # for a stall report: assignments only
             out = strategy.forward_backward(pairs, loss_fn, precision)  # type: ignore[attr-defined]
             return self._checked([loss_value(v, "loss_fn") for v in out])
         n = len(micro_batches)
@@ -249,6 +251,10 @@ class TrainLoop:
                 with precision.forward_context():
                     value = self.loss(batch)
                 loss = value.loss
+                # For a stall report (assignments only): which micro-step, and whether this backward syncs.
+                RECORDER.micro_step()
+                if not (defer and not last):
+                    RECORDER.enter("backward (gradient sync)", None)
                 if accumulation.owner is AccumulationOwner.TRAINER:
                     # The one place the loss is divided for accumulation.
                     strategy.backward(precision.scale_loss(loss / n))

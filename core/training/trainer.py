@@ -448,7 +448,7 @@ class Trainer:
         self.data.to_device = strategy.to_device
         if env.world_size > 1:  # the last collective each rank entered, for a stall report (assignments only)
             watchdog = self._watchdog  # (not self: the recorder outlives the fit, and must not keep the trainer)
-            collectives.install(strategy, lambda: watchdog.where)
+            collectives.install(lambda: watchdog.where)
         self.progress = Progress()
         # What a checkpoint holds besides the strategy's files and the RNG, by its name in trainer.pt.
         self._checkpoints = CheckpointManager(
