@@ -23,7 +23,9 @@ def data() -> TensorDataset:
     return TensorDataset(x, x.sum(dim=1, keepdim=True))
 
 
-def train(strategy: str, defaults: bool, max_steps: int = STEPS, **options: Any) -> dict[str, torch.Tensor]:
+def train(
+    strategy: str, defaults: bool, max_steps: int = STEPS, ckpt_path: str | None = None, **options: Any
+) -> dict[str, torch.Tensor]:
     """Train with the default callbacks, loggers and progress (``defaults``) or with all of them off."""
     quiet = {} if defaults else {"throughput": False, "loggers": False, "progress": "off"}
     trainer = unison.Trainer(
@@ -36,26 +38,15 @@ def train(strategy: str, defaults: bool, max_steps: int = STEPS, **options: Any)
         **options,
     )
     trainer.fit(
-        dropout_mlp, data(), loss_fn=torch.nn.functional.mse_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2)
+        dropout_mlp,
+        data(),
+        loss_fn=torch.nn.functional.mse_loss,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        ckpt_path=ckpt_path,
     )
     return trainer.full_state_dict()
 
 
 def resume(strategy: str, checkpoint_dir: str) -> dict[str, torch.Tensor]:
     """Continue the run saved in ``checkpoint_dir`` to :data:`STEPS`, with the default plugins on."""
-    trainer = unison.Trainer(
-        strategy=strategy,
-        global_batch_size=16,
-        accumulate_grad_batches=2,
-        max_steps=STEPS,
-        seed=0,
-        checkpoint_dir=checkpoint_dir,
-    )
-    trainer.fit(
-        dropout_mlp,
-        data(),
-        loss_fn=torch.nn.functional.mse_loss,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
-        ckpt_path="last",
-    )
-    return trainer.full_state_dict()
+    return train(strategy, True, ckpt_path="last", checkpoint_dir=checkpoint_dir)
