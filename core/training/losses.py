@@ -36,7 +36,6 @@ from unison.errors import ConfigurationError
 __all__ = [
     "IGNORE_INDEX",
     "LossValue",
-    "PairRecorder",
     "check_huggingface_path",
     "huggingface_training_step",
     "loss_value",
@@ -86,27 +85,6 @@ def loss_value(value: Any, name: str) -> LossValue:
 
 def _scalar(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 0
-
-
-class PairRecorder:
-    """Wraps a ``loss_fn`` for a schedule that runs it itself: the schedule sees a scalar, the counts are kept.
-
-    For a schedule strategy (pipelines) that declares no support of pairs the
-    trainer never passes this; one that declares it gets the user's
-    ``loss_fn`` unchanged and returns the pairs itself (see
-    :class:`~unison.contract.strategy.ScheduleAccumulation`). Used by
-    validation, where a strategy's ``eval_loss`` returns what ``loss_fn`` did.
-    """
-
-    def __init__(self, loss_fn: Any) -> None:
-        self.loss_fn = loss_fn
-        self.items: list[torch.Tensor] = []
-
-    def __call__(self, outputs: Any, targets: Any) -> torch.Tensor:
-        value = loss_value(self.loss_fn(outputs, targets), "loss_fn")
-        if value.items is not None:
-            self.items.append(value.items)
-        return value.loss
 
 
 # --------------------------------------------------------------------------- #
