@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from unison.launch import messages
+from unison.plugin import hookimpl
 
 
 @dataclass(frozen=True)
@@ -137,3 +139,23 @@ class Counts:
         before = self._seen.get(key, 0.0)
         self._seen[key] = value
         return max(0.0, value - before)
+
+
+class FinishesAtFitEnd:
+    """The end of a fit for an exporting logger: ``_finish`` (a last push or flush) after every other plugin's
+    ``unison_on_fit_end``, and on an error too, where it warns instead of raising (the training error is the one
+    to report)."""
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    @hookimpl(trylast=True)
+    def unison_on_fit_end(self, trainer: Any) -> None:
+        self._finish()
+
+    @hookimpl
+    def unison_on_exception(self, trainer: Any, exception: BaseException) -> None:
+        try:
+            self._finish()
+        except Exception as exc:  # this hook must not raise: the training error is the one to report
+            warnings.warn(f"{type(self).__name__} could not finish: {exc}", stacklevel=2)

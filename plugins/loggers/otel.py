@@ -17,16 +17,15 @@ An export that fails is the SDK's logged warning, never a training error.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from unison.plugin import hookimpl
 
 from ._base import require
-from ._instruments import BY_KEY, Counts, identity, otel_name, restarts
+from ._instruments import BY_KEY, Counts, FinishesAtFitEnd, identity, otel_name, restarts
 
 
-class OpenTelemetryLogger:
+class OpenTelemetryLogger(FinishesAtFitEnd):
     """Exports every rank's metrics over OTLP/HTTP (a pluggy plugin; see the module docstring).
 
     Args:
@@ -85,17 +84,6 @@ class OpenTelemetryLogger:
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 self._record(key, float(value))
-
-    @hookimpl(trylast=True)
-    def unison_on_fit_end(self, trainer: Any) -> None:
-        self._finish()
-
-    @hookimpl
-    def unison_on_exception(self, trainer: Any, exception: BaseException) -> None:
-        try:
-            self._finish()
-        except Exception as exc:  # this hook must not raise: the training error is the one to report
-            warnings.warn(f"OpenTelemetryLogger could not finish: {exc}", stacklevel=2)
 
     def _record(self, key: str, value: float) -> None:
         spec = BY_KEY.get(key)

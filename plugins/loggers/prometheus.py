@@ -26,12 +26,12 @@ from unison.errors import ConfigurationError
 from unison.plugin import hookimpl
 
 from ._base import require
-from ._instruments import BY_KEY, Counts, identity, prometheus_name, restarts
+from ._instruments import BY_KEY, Counts, FinishesAtFitEnd, identity, prometheus_name, restarts
 
 LABELS = ("run_id", "strategy", "rank", "node")
 
 
-class PrometheusLogger:
+class PrometheusLogger(FinishesAtFitEnd):
     """Exports every rank's metrics to Prometheus (a pluggy plugin; see the module docstring).
 
     Args:
@@ -103,17 +103,6 @@ class PrometheusLogger:
                 self._set(key, float(value))
         if self.pushgateway is not None and time.monotonic() - self._pushed_at >= self.push_every_s:
             self._push()
-
-    @hookimpl(trylast=True)
-    def unison_on_fit_end(self, trainer: Any) -> None:
-        self._finish()
-
-    @hookimpl
-    def unison_on_exception(self, trainer: Any, exception: BaseException) -> None:
-        try:
-            self._finish()
-        except Exception as exc:  # this hook must not raise: the training error is the one to report
-            warnings.warn(f"PrometheusLogger could not finish: {exc}", stacklevel=2)
 
     # -- helpers ------------------------------------------------------------------- #
     def _set(self, key: str, value: float) -> None:
