@@ -225,17 +225,33 @@ def unison_precisions():
 """
 
 
-@pytest.fixture
-def installed_plugin(tmp_path):
-    """A distribution installed the way pip installs one: a module and a .dist-info with an entry point."""
-    site = tmp_path / "site"
-    site.mkdir()
+def install_plugin(site: Path) -> None:
+    """Install a distribution into ``site`` the way pip does: a module and a .dist-info with an entry point."""
     (site / "unison_installed_plugin.py").write_text(PLUGIN_MODULE)
     info = site / "unison_installed_plugin-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: unison-installed-plugin\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text("[unison]\ninstalled = unison_installed_plugin\n")
+
+
+@pytest.fixture
+def installed_plugin(tmp_path):
+    """A directory holding an installed distribution with an entry point (not yet on ``sys.path``)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    install_plugin(site)
     return site
+
+
+def test_a_plugin_installed_while_the_process_runs_is_found_by_the_next_manager(tmp_path, monkeypatch):
+    # The entry points are scanned once per change of what is installed (unison.plugin.entry_points):
+    # a package installed into a directory already on sys.path changes that directory, so it is found.
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    assert "installed_late" not in unison.PluginManager().strategies.names()
+    install_plugin(site)
+    assert "installed_late" in unison.PluginManager().strategies.names()
 
 
 def test_an_installed_plugin_is_autoloaded_and_can_be_disabled(installed_plugin, monkeypatch):
