@@ -265,11 +265,12 @@ class Watchdog:
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/{rank}"
 
-    def _publish(self, state: str) -> None:
+    def _publish(self, state: str, at: tuple[tuple[int, str], Any] | None = None) -> None:
+        """Publish this rank's record: where it is now, or ``at`` (a position and last collective) if given."""
         self._beat_count += 1
-        step, phase = self.where
+        (step, phase), collective = at if at is not None else (self.where, collectives.RECORDER.describe())
         record = {"beat": self._beat_count, "step": step, "phase": phase, "state": state, **self._identity}
-        record["collective"] = collectives.RECORDER.describe()  # the last one this rank entered
+        record["collective"] = collective  # the last one this rank entered
         self.store.set(self._key(self.rank), json.dumps(record))
 
     def _read(self) -> dict[int, dict[str, Any]]:
@@ -309,6 +310,9 @@ class Watchdog:
         others = [r for r in range(self.world_size) if r != self.rank]
         while True:
             waited_from = time.monotonic()
+            # Where this rank is before the wait: after a freeze, the main thread may run on before this
+            # thread wakes, so the report gives the position last seen before the freeze, not the current one.
+            before = (self.where, collectives.RECORDER.describe())
             if self._stop.wait(self.interval):
                 return
             now = time.monotonic()
@@ -319,13 +323,13 @@ class Watchdog:
                     # Its peers cannot read while the store is frozen with this process: where it froze
                     # goes to the store first, for the peer that continued it to report.
                     with contextlib.suppress(Exception):
-                        self._publish(_RUNNING)
+                        self._publish(_RUNNING, at=before)
                     self._linger = HOST_LINGER_S
-                step, phase = self.where
+                (step, phase), collective = before
                 self._stalled(
                     f"rank {self.rank} was frozen for {now - waited_from:.1f} s at step {step} ({phase}), stopped or "
                     "starved of CPU; the other ranks report it as stalled; its last collective entered: "
-                    + collectives.summary(collectives.RECORDER.describe())
+                    + collectives.summary(collective)
                 )
                 return
             with self._lock:
