@@ -1,6 +1,6 @@
-"""Optimizer-state sharding shared by ``torch_zero`` and the fairscale OSS strategies.
-
-``torch_zero``: DDP + ``torch.distributed.optim.ZeroRedundancyOptimizer`` (ZeRO stage 1).
+"""Optimizer-state sharding shared by ``torch_zero`` (:mod:`unison.strategies.torch_zero`) and the fairscale
+OSS strategies: DDP plus a sharding optimizer, here ``torch.distributed.optim.ZeroRedundancyOptimizer``
+(ZeRO stage 1) or fairscale's OSS.
 
 Parameters and gradients stay whole on every rank (DDP all-reduces them once
 per optimizer step); only the optimizer *state* is partitioned: each rank keeps
@@ -393,10 +393,3 @@ class ShardedOptimizerStrategy(ReplicatedStrategy):
     def teardown(self) -> None:
         super().teardown()
         self.sharding.reset()
-
-
-class TorchZeroStrategy(ShardedOptimizerStrategy):
-    """``torch_zero``: DDP + ZeroRedundancyOptimizer (the class only picks the component)."""
-
-    def __init__(self) -> None:
-        super().__init__(zero_redundancy_sharding())
