@@ -17,6 +17,7 @@ import collections
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 import s3_server
@@ -66,7 +67,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.full)
 
 
+#: Wall-clock budgets in seconds on this project's 2-core CI machine, on a quiet machine: the README's test
+#: command (the quick tier) and the whole of ``.ci/run``, which reads them from here and reports its steps'
+#: times against them. Going over is a warning naming the step, never a failure (the machines are shared
+#: and timings are noisy); a run that is over on a quiet machine needs its tests made cheaper.
+BUDGET_S = {"quick tier": 600, "ci": 2700}
+
 _module_seconds: collections.Counter[str] = collections.Counter()
+_session_started = time.monotonic()
 
 
 def pytest_runtest_logreport(report):
@@ -80,6 +88,13 @@ def pytest_terminal_summary(terminalreporter):
     for module, seconds in _module_seconds.most_common(30):
         terminalreporter.write_line(f"{seconds:8.1f}  {module}")
     terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}  total")
+    wall = time.monotonic() - _session_started
+    if terminalreporter.config.getoption("markexpr") == "not full" and wall > BUDGET_S["quick tier"]:
+        terminalreporter.write_line(
+            f"WARNING: budget: the quick tier (the README's test command) took {wall:.0f} s, over its budget of "
+            f"{BUDGET_S['quick tier']} s (tests/conftest.py BUDGET_S); the slowest modules are listed above",
+            yellow=True,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -164,5 +164,6 @@ def test_every_long_tier_module_exists_and_ci_runs_both_tiers():
     tests = Path(__file__).resolve().parent
     assert sorted(m for m in FULL_TIER if not (tests / m).is_file()) == []
     ci = (ROOT / ".ci" / "run").read_text()
-    assert '-m pytest tests -p no:cacheprovider -m "not full"' in ci
+    assert "\nscripts/test 2>&1" in ci  # the README's test command: the quick tier
+    assert '-m pytest tests -p no:cacheprovider -m "not full"' in (ROOT / "scripts" / "test").read_text()
     assert "-m pytest tests -p no:cacheprovider -m full" in ci

@@ -1,15 +1,20 @@
-"""The README's Quickstart, run as written, in order, in a temporary copy of the example.
+"""The README's Quickstart, run as written, in order, in a fresh copy of the repository.
 
-The commands are read from README.md's "## Quickstart" block, so this test
-breaks when the docs change: every ``unison train`` command there must exit
-0, each fresh run must get its own run directory, and no run may lose a
-checkpoint an earlier run committed. The install command is the one this
-environment was made with (the copy links to its ``.venv``); the test-suite
-command is this suite itself, so neither is run here.
+The commands are read from README.md's "## Quickstart" section, so this test breaks when the docs
+change. Its first block is exactly two commands, ``scripts/train`` and ``scripts/test``; the walkthrough
+block after it goes on with ``scripts/train ARGS``. Every train command must exit 0, each fresh run
+must get its own run directory, and no run may lose a checkpoint an earlier run committed.
+
+The copy holds every file of the checkout that git tracks or would track, and links to this checkout's
+``.venv``: ``scripts/install.sh`` finds it made from the same ``pyproject.toml`` and installs nothing
+(on a clean clone it installs everything, as ``.ci/run`` shows; the test refuses to run when the
+environment is stale rather than reinstall it from the copy). ``scripts/test`` runs as written, its
+selection narrowed with ``PYTEST_ADDOPTS`` to one test (it is this suite itself).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -25,13 +30,39 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def quickstart_commands() -> list[str]:
-    """The lines of the bash block under README.md's "## Quickstart" heading."""
+def quickstart_blocks() -> list[list[str]]:
+    """The bash blocks under README.md's "## Quickstart" heading, each as its lines."""
     text = (ROOT / "README.md").read_text()
     section = text.split("\n## Quickstart\n", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block, "README.md's Quickstart has no bash block"
-    return [line.strip() for line in block.group(1).splitlines() if line.strip()]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert blocks, "README.md's Quickstart has no bash block"
+    return [[line.strip() for line in block.splitlines() if line.strip()] for block in blocks]
+
+
+def install_stamp(root: Path) -> str:
+    """What ``scripts/install.sh`` writes into ``.venv/.unison-install`` (so it knows nothing is missing)."""
+    return hashlib.sha256(
+        (root / "pyproject.toml").read_bytes() + (root / "scripts/install.sh").read_bytes()
+    ).hexdigest()
+
+
+def fresh_copy(target: Path) -> None:
+    """The checkout's files as a clone would have them (tracked, or untracked and not ignored)."""
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for name in filter(None, listed):
+        source = ROOT / name
+        if source.is_file():
+            (target / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target / name)
 
 
 def committed(root: Path) -> set[str]:
@@ -39,26 +70,34 @@ def committed(root: Path) -> set[str]:
     return {str(p.parent.relative_to(root)) for p in root.glob("version_*/checkpoints/step-*/manifest.json")}
 
 
-def test_quickstart_parses_into_install_train_and_test_commands():
-    commands = quickstart_commands()
-    assert commands[0] == "bash scripts/install.sh"
-    assert commands[-1].endswith('-m pytest tests -p no:cacheprovider -m "not full"')
-    train = commands[1:-1]
-    assert train and all(c.startswith(".venv/bin/unison train examples/tinylm.toml") for c in train), train
+def test_quickstart_starts_with_two_commands_then_the_walkthrough_trains_with_the_same_one():
+    first, *walkthrough = quickstart_blocks()
+    assert first == ["scripts/train", "scripts/test"]
+    train = [first[0], *(line for block in walkthrough for line in block)]
+    assert all(c == "scripts/train" or c.startswith("scripts/train ") for c in train), train
     # The sequence this test exists for: a run, the same again, another backend, a resume.
     assert train[0] == train[1] and any("--nproc 2" in c for c in train) and "--resume auto" in train[-1]
+    # scripts/test is the README's test command that .ci/run runs: the quick tier.
+    assert '-m pytest tests -p no:cacheprovider -m "not full"' in (ROOT / "scripts" / "test").read_text()
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_quickstart_runs_as_written_and_keeps_every_run(tmp_path):
-    commands = quickstart_commands()
-    shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    (tmp_path / ".venv").symlink_to(ROOT / ".venv")  # the environment `bash scripts/install.sh` made
+def test_quickstart_runs_as_written_in_a_fresh_copy_and_keeps_every_run(tmp_path):
+    stamp = ROOT / ".venv" / ".unison-install"
+    assert stamp.is_file() and stamp.read_text().strip() == install_stamp(ROOT), (
+        "the checkout's .venv was not made from the current pyproject.toml and scripts/install.sh: run "
+        "`bash scripts/install.sh` first (the copy would otherwise reinstall into this checkout's .venv)"
+    )
+    blocks = quickstart_blocks()
+    (first, test_command), walkthrough = blocks[0], blocks[1:]
+    fresh_copy(tmp_path)
+    (tmp_path / ".venv").symlink_to(ROOT / ".venv")  # the environment scripts/install.sh made
+    commands = [first, *(line for block in walkthrough for line in block)]
     runs = tmp_path / "runs" / "tinylm"
     seen: set[str] = set()
     outputs = []
-    for command in commands[1:-1]:
+    for command in commands:
         out = subprocess.run(
             ["bash", "-c", command], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=600
         )
@@ -67,7 +106,7 @@ def test_quickstart_runs_as_written_and_keeps_every_run(tmp_path):
         now = committed(runs)
         assert seen <= now, f"{command} lost checkpoints: {sorted(seen - now)}"
         seen = now
-    fresh = [c for c in commands[1:-1] if "--resume" not in c]
+    fresh = [c for c in commands if "--resume" not in c]
     versions = sorted(p.name for p in runs.glob("version_*"))
     assert versions == [f"version_{n}" for n in range(len(fresh))]  # one per fresh run, none for the resume
     for version in versions:
@@ -91,3 +130,10 @@ def test_quickstart_runs_as_written_and_keeps_every_run(tmp_path):
     said = outputs[-1].stdout + outputs[-1].stderr
     assert said.count("resuming from step") == 1, said[-2000:]
     assert f"resuming from step {resumed['resumed_from']['step']}: {runs / versions[-1]}" in said
+    # The second command, as written: it installs nothing and runs the quick tier (narrowed to one test).
+    selected = {**ENV, "PYTEST_ADDOPTS": "-q -k test_quickstart_starts_with_two_commands"}
+    out = subprocess.run(
+        ["bash", "-c", test_command], cwd=tmp_path, env=selected, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, f"{test_command}: exit {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    assert re.search(r"^1 passed, \d+ deselected", out.stdout, re.M), out.stdout[-2000:]

@@ -166,7 +166,9 @@ def test_transient_failures_are_retried_with_bounded_backoff_and_counted(s3, buc
     dataset = ShardedDataset(bucket["s3"], decode)
     dataset[0]
     # The endpoint stops answering (a port nothing listens on): every read fails with a connection error.
-    monkeypatch.setenv("UNISON_STORAGE_RETRY_S", "2")
+    # 5 s: a first try that takes a second or two on a loaded machine (a new client session) still leaves
+    # room for retries (0.5, 1, 2 s apart).
+    monkeypatch.setenv("UNISON_STORAGE_RETRY_S", "5")
     dataset.storage_options["endpoint_url"] = f"http://127.0.0.1:{s3_server._free_port()}"
     dataset._fs = None
     with pytest.raises(ShardError, match=r"part-000\.jsonl: failed to read after \d+ tries over \d+ s") as caught:
