@@ -16,8 +16,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from unison import _moved
-
-__version__ = "0.2.0"
+from unison._version import __version__ as __version__
 
 # Public name -> the submodule that defines it.
 _EXPORTS = {
@@ -41,16 +40,16 @@ _EXPORTS = {
     "WorldSizes": "contract.ownership",
     "hookimpl": "plugin",
     "Precision": "contract.precision",
-    "PrecisionSpec": "plugin.registry",
-    "StrategySpec": "plugin.registry",
+    "PrecisionSpec": "contract.spec",
+    "StrategySpec": "contract.spec",
     "TrainerSettings": "contract.settings",
     "DeferredGradSync": "contract.strategy",
     "EngineAccumulation": "contract.strategy",
     "ScheduleAccumulation": "contract.strategy",
     "Strategy": "contract.strategy",
-    "NonFiniteError": "training.outputs",
-    "Progress": "training.outputs",
-    "StepOutput": "training.outputs",
+    "NonFiniteError": "contract.outputs",
+    "Progress": "contract.outputs",
+    "StepOutput": "contract.outputs",
     "Trainer": "training.trainer",
 }
 
@@ -90,6 +89,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover - what editors and type checkers see
     from unison.contract.env import DistEnv
+    from unison.contract.outputs import NonFiniteError, Progress, StepOutput
     from unison.contract.ownership import (
         AccumulationOwner,
         Feature,
@@ -105,12 +105,11 @@ if TYPE_CHECKING:  # pragma: no cover - what editors and type checkers see
     )
     from unison.contract.precision import Precision
     from unison.contract.settings import TrainerSettings
+    from unison.contract.spec import PrecisionSpec, StrategySpec
     from unison.contract.strategy import DeferredGradSync, EngineAccumulation, ScheduleAccumulation, Strategy
     from unison.errors import ConfigurationError, DeclaredRefusal, PluginError, UnisonError, UnknownStrategyError
     from unison.plugin import hookimpl
     from unison.plugin.manager import PluginManager
-    from unison.plugin.registry import PrecisionSpec, StrategySpec
-    from unison.training.outputs import NonFiniteError, Progress, StepOutput
     from unison.training.trainer import Trainer
 
 

@@ -48,7 +48,7 @@ MODULES = {
     "data": "data.loader",
     "batch": "data.batch",
     "checkpoint": "checkpointing.checkpointer",
-    "checkpoint_cli": "checkpointing.cli",
+    "checkpoint_cli": "cli.checkpoint",
     "export": "checkpointing.export",
     "manifest": "checkpointing.manifest",
     "safe_io": "checkpointing.safe_io",

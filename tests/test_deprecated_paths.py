@@ -67,7 +67,7 @@ OLD_PATHS: dict[str, tuple[str, str]] = {
         "checkpointing.checkpointer",
         "CheckpointError Checkpointer Committed CorruptCheckpointError step_dir_name",
     ),
-    "checkpoint_cli": ("checkpointing.cli", "checkpoint console export inspect verify_cmd"),
+    "checkpoint_cli": ("cli.checkpoint", "checkpoint console export inspect verify_cmd"),
     "export": ("checkpointing.export", "canonical_state export_hf export_safetensors"),
     "manifest": (
         "checkpointing.manifest",

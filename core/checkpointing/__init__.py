@@ -6,6 +6,6 @@
 * :mod:`~unison.checkpointing.storage`, :mod:`~unison.checkpointing.remote_storage` - the storage seam
   (local disk, object storage);
 * :mod:`~unison.checkpointing.lease` - one writer per checkpoint directory;
-* :mod:`~unison.checkpointing.export`, :mod:`~unison.checkpointing.cli` - weights out of a checkpoint,
-  ``unison checkpoint ...``.
+* :mod:`~unison.checkpointing.export` - weights out of a checkpoint (the ``unison checkpoint ...``
+  command that uses it is :mod:`unison.cli.checkpoint`).
 """

@@ -430,6 +430,6 @@ class Checkpointer:
 
 
 def _unison_version() -> str:
-    import unison
+    from unison._version import __version__
 
-    return unison.__version__
+    return __version__

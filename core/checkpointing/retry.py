@@ -14,12 +14,26 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from unison.checkpointing.storage import StorageUnavailableError
 
-if TYPE_CHECKING:
-    from unison.checkpointing.remote_storage import FsspecStorage
+
+class RemoteStore(Protocol):
+    """What retrying and uploading need of an object store
+    (:class:`~unison.checkpointing.remote_storage.FsspecStorage` is one)."""
+
+    scheme: str
+
+    @property
+    def endpoint(self) -> str:
+        """Where the store is (named in errors)."""
+        ...
+
+    #: Retries so far (the trainer logs them as ``checkpoint/storage_retries``).
+    retries: int
+    #: The fsspec filesystem.
+    fs: Any
 
 #: Seconds unison keeps retrying an object-storage call that failed for a transient reason
 #: (``UNISON_STORAGE_RETRY_S`` overrides); the wait doubles from 0.5 s up to 8 s between tries.
@@ -80,7 +94,7 @@ def retried(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
 
     def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
-        def wrapper(self: FsspecStorage, target: Any, *args: Any, **kwargs: Any) -> Any:
+        def wrapper(self: RemoteStore, target: Any, *args: Any, **kwargs: Any) -> Any:
             budget, start, delay, tries = retry_budget(), time.monotonic(), 0.5, 0
             while True:
                 tries += 1

@@ -52,6 +52,7 @@ from unison.checkpointing.nofollow import (
     refuse_link,
     replace_atomically,
 )
+from unison.contract.spec import StorageFactory as StorageFactory  # the plugins name it here too
 from unison.errors import ConfigurationError, UnisonError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -300,10 +301,6 @@ class LocalStorage:
 #: it to. Two letters at least, so a Windows drive (``C:/``) is never a scheme.
 #: ``scheme://rest``: a location another storage backend serves.
 URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/+(.*)$")
-#: What a storage plugin registers per URL scheme (hook ``unison_storage_backends``):
-#: ``factory(location, storage_options, option) -> (root, storage)``. ``location`` is the whole URL,
-#: ``storage_options`` the user's backend options, ``option`` the setting errors name.
-StorageFactory = Callable[[str, dict[str, Any], str], tuple[Path, LocalStorage]]
 
 
 def split_url(location: str | os.PathLike[str]) -> tuple[str, str] | None:

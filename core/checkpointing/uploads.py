@@ -26,13 +26,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from unison.checkpointing.retry import call_retrying, first_line
+from unison.checkpointing.retry import RemoteStore, call_retrying, first_line
 from unison.checkpointing.storage import StorageUnavailableError
-
-if TYPE_CHECKING:
-    from unison.checkpointing.remote_storage import FsspecStorage
 
 #: Bytes per part (S3: at least 5 MiB except the last, at most 10,000 parts: objects up to 320 GB).
 PART = 32 << 20
@@ -45,7 +42,7 @@ def in_partial(key: str) -> bool:
     return any(part.startswith(".") and part.endswith(".partial") for part in key.split("/"))
 
 
-def _retrying(storage: FsspecStorage, what: str, key: str, call: Callable[[], Any]) -> Any:
+def _retrying(storage: RemoteStore, what: str, key: str, call: Callable[[], Any]) -> Any:
     def count() -> None:
         storage.retries += 1
 
@@ -82,7 +79,7 @@ def _no_such_upload(exc: BaseException) -> bool:
     return False
 
 
-def put_object(storage: FsspecStorage, key: str, source: Path | bytes) -> None:
+def put_object(storage: RemoteStore, key: str, source: Path | bytes) -> None:
     """Store ``source`` (a local file or bytes) as object ``key`` (``bucket/name``) through one multipart upload,
     completed, or aborted when this raises: nothing it sent can land afterwards."""
     size = len(source) if isinstance(source, bytes) else source.stat().st_size
@@ -131,7 +128,7 @@ def put_object(storage: FsspecStorage, key: str, source: Path | bytes) -> None:
         raise
 
 
-def put_files(storage: FsspecStorage, local: Path, key: str, names: list[str]) -> None:
+def put_files(storage: RemoteStore, local: Path, key: str, names: list[str]) -> None:
     """Upload the files ``names`` (relative POSIX paths) of ``local`` to ``key/name``, several at once."""
     if not names:
         return
@@ -141,7 +138,7 @@ def put_files(storage: FsspecStorage, local: Path, key: str, names: list[str]) -
             future.result()  # the first failure raises, once every upload has finished or been aborted
 
 
-def abort_uploads(storage: FsspecStorage, key: str) -> None:
+def abort_uploads(storage: RemoteStore, key: str) -> None:
     """Abort the unfinished multipart uploads into partial prefixes under ``key`` (a process killed mid-upload
     left them; only a save's own uploads are touched, never another writer's objects)."""
     bucket, _, prefix = key.partition("/")

@@ -99,6 +99,6 @@ class DelegatedPrecision(Precision):
 
 def cast_floating(data: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor of a batch of any structure to ``dtype``; integer leaves (token ids) stay."""
-    from unison.data.batch import map_tensors
+    from unison.contract.tensors import map_tensors
 
     return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, data)

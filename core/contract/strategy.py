@@ -80,17 +80,16 @@ from unison.contract.ownership import (
     WorldSizes,
 )
 from unison.contract.settings import TrainerSettings
+from unison.contract.spec import StrategySpec
 from unison.contract.state import canonical, dcp_load, dcp_save
 
 # Moved to unison.contract.tensor_parallel; imported here so the public name of API 2.1 keeps working.
-from unison.contract.tensor_parallel import tensor_parallel_plan
-from unison.data.batch import move_to_device
+from unison.contract.tensor_parallel import PlanHooks, tensor_parallel_plan
+from unison.contract.tensors import move_to_device
 from unison.errors import ConfigurationError
-from unison.plugin.registry import StrategySpec
 
 if TYPE_CHECKING:  # pragma: no cover
     from unison.contract.precision import Precision
-    from unison.plugin.manager import PluginManager
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -175,7 +174,7 @@ def check_contract(strategy: Strategy) -> None:
         )
 
 
-def model_features(model: torch.nn.Module, plugins: PluginManager | None = None) -> dict[Feature, str]:
+def model_features(model: torch.nn.Module, plugins: PlanHooks | None = None) -> dict[Feature, str]:
     """The :class:`Feature` values a model needs (tied weights, frozen parameters, buffers,
     an arbitrary module, no tensor-parallel plan), each with the evidence; the conformance suite uses
     it to know which declared refusals a scenario may meet. ``plugins``: the plugin manager whose
@@ -220,7 +219,7 @@ class Strategy(abc.ABC):
     api_version: str | None = None
     #: The run's plugin manager, bound when the trainer builds the strategy (``None`` outside a run),
     #: for the hooks a strategy asks about the user's model: ``unison_tensor_parallel_plan`` (API 2.2).
-    plugins: PluginManager | None = None
+    plugins: PlanHooks | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -26,14 +26,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from unison.errors import ConfigurationError, PluginError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from unison.plugin.manager import PluginManager
+
+class PlanHooks(Protocol):
+    """What the contract asks of a run's plugins: the ``unison_tensor_parallel_plan`` hook.
+
+    :class:`~unison.plugin.manager.PluginManager` is one (the plugin system sits above the contract,
+    so the contract names only the part it calls).
+    """
+
+    def unison_tensor_parallel_plan(self, *, module: torch.nn.Module) -> dict[str, str] | None: ...
+
 
 #: The plan styles tensor parallel applies, by Hugging Face's names (``ColwiseParallel`` and
 #: ``RowwiseParallel`` in DTensor; ``"colwise_gather_output"``, Hugging Face's plan for a causal LM's
@@ -48,7 +56,7 @@ STYLES = ("colwise", "rowwise", "colwise_gather_output", "embedding_rowwise")
 BlockPlans = Callable[[torch.nn.Module], "Mapping[str, str] | None"]
 
 
-def tensor_parallel_plan(model: torch.nn.Module, plugins: PluginManager | None = None) -> dict[str, str] | None:
+def tensor_parallel_plan(model: torch.nn.Module, plugins: PlanHooks | None = None) -> dict[str, str] | None:
     """The model's tensor-parallel plan, ``{submodule name or pattern: style}``, or ``None`` for none.
 
     The model's own plan first (:func:`model_plan`), else the plans ``plugins`` register for the

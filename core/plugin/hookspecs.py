@@ -69,15 +69,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from unison.plugin import hookspec
+from unison.plugin.views import TrainerView
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from unison.checkpointing.storage import StorageFactory
-    from unison.launch.cluster import ClusterEnvironment
+    from unison.contract.cluster import ClusterEnvironment
+    from unison.contract.outputs import StepOutput
+    from unison.contract.spec import StorageFactory
     from unison.plugin.registry import PrecisionSpec, StrategySpec
-    from unison.training.outputs import StepOutput
-    from unison.training.trainer import Trainer
 
 
 # --------------------------------------------------------------------------- #
@@ -178,7 +178,7 @@ def unison_storage_backends() -> dict[str, StorageFactory]:
 
     Returns:
         A dict mapping a lowercase URL scheme (without ``://``) to a
-        :data:`~unison.checkpointing.storage.StorageFactory`:
+        :data:`~unison.contract.spec.StorageFactory`:
         ``factory(location, storage_options, option) -> (root, storage)``,
         called with the whole URL, the user's ``storage_options`` (a dict,
         empty when none were given) and the setting name for error messages
@@ -232,7 +232,7 @@ def unison_tensor_parallel_plan(module: torch.nn.Module) -> dict[str, str] | Non
 
 
 @hookspec
-def unison_on_fit_start(trainer: Trainer) -> None:
+def unison_on_fit_start(trainer: TrainerView) -> None:
     """After the strategy set up model and optimizer, before the first step.
 
     Called by :meth:`Trainer.fit` on every rank, once per ``fit``.
@@ -241,7 +241,7 @@ def unison_on_fit_start(trainer: Trainer) -> None:
 
 
 @hookspec
-def unison_on_fit_end(trainer: Trainer) -> None:
+def unison_on_fit_end(trainer: TrainerView) -> None:
     """After the last optimizer step and final checkpoint, on every rank.
 
     Called by :meth:`Trainer.fit` once, when training ended normally
@@ -250,7 +250,7 @@ def unison_on_fit_end(trainer: Trainer) -> None:
 
 
 @hookspec
-def unison_on_exception(trainer: Trainer, exception: BaseException) -> None:
+def unison_on_exception(trainer: TrainerView, exception: BaseException) -> None:
     """When ``fit`` is leaving because of an exception, on the failing rank.
 
     Called by :meth:`Trainer.fit` before the exception propagates. No
@@ -262,7 +262,7 @@ def unison_on_exception(trainer: Trainer, exception: BaseException) -> None:
 
 
 @hookspec
-def unison_on_train_epoch_start(trainer: Trainer, epoch: int) -> None:
+def unison_on_train_epoch_start(trainer: TrainerView, epoch: int) -> None:
     """Before the first optimizer step of an epoch (a pass over the dataset).
 
     Called by :meth:`Trainer.fit` on every rank; ``epoch`` is 0-based. When a
@@ -271,7 +271,7 @@ def unison_on_train_epoch_start(trainer: Trainer, epoch: int) -> None:
 
 
 @hookspec
-def unison_on_train_epoch_end(trainer: Trainer, epoch: int) -> None:
+def unison_on_train_epoch_end(trainer: TrainerView, epoch: int) -> None:
     """After the last optimizer step of an epoch, on every rank.
 
     Called by :meth:`Trainer.fit` after that step's ``unison_on_train_step_end``
@@ -281,7 +281,7 @@ def unison_on_train_epoch_end(trainer: Trainer, epoch: int) -> None:
 
 
 @hookspec
-def unison_on_train_step_start(trainer: Trainer, step: int) -> None:
+def unison_on_train_step_start(trainer: TrainerView, step: int) -> None:
     """Before the first micro-batch of optimizer step ``step``, on every rank.
 
     Called by :meth:`Trainer.fit` once per optimizer step, on every backend,
@@ -290,7 +290,7 @@ def unison_on_train_step_start(trainer: Trainer, step: int) -> None:
 
 
 @hookspec
-def unison_on_after_backward(trainer: Trainer, step: int) -> None:
+def unison_on_after_backward(trainer: TrainerView, step: int) -> None:
     """Once per optimizer step, after the backward of its last micro-batch.
 
     Called by :meth:`Trainer.fit` on every rank, on every backend exactly once
@@ -302,7 +302,7 @@ def unison_on_after_backward(trainer: Trainer, step: int) -> None:
 
 
 @hookspec
-def unison_on_before_optimizer_step(trainer: Trainer, step: int, grad_norm: torch.Tensor) -> None:
+def unison_on_before_optimizer_step(trainer: TrainerView, step: int, grad_norm: torch.Tensor) -> None:
     """Once per optimizer step, after clipping, before the optimizer update.
 
     Called by :meth:`Trainer.fit` on every rank, exactly once per optimizer
@@ -316,7 +316,7 @@ def unison_on_before_optimizer_step(trainer: Trainer, step: int, grad_norm: torc
 
 
 @hookspec
-def unison_on_after_optimizer_step(trainer: Trainer, step: int, skipped: bool) -> None:
+def unison_on_after_optimizer_step(trainer: TrainerView, step: int, skipped: bool) -> None:
     """Once per optimizer step, after the update and the scheduler step.
 
     Called by :meth:`Trainer.fit` on every rank, after ``zero_grad``. ``skipped`` is ``True`` when the update did not
@@ -325,7 +325,7 @@ def unison_on_after_optimizer_step(trainer: Trainer, step: int, skipped: bool) -
 
 
 @hookspec
-def unison_on_train_step_end(trainer: Trainer, step: int, output: StepOutput) -> None:
+def unison_on_train_step_end(trainer: TrainerView, step: int, output: StepOutput) -> None:
     """After optimizer step ``step`` is complete, on every rank.
 
     Called by :meth:`Trainer.fit` once per optimizer step, after
@@ -345,7 +345,7 @@ def unison_on_train_step_end(trainer: Trainer, step: int, output: StepOutput) ->
 
 
 @hookspec
-def unison_on_validation_start(trainer: Trainer, step: int) -> None:
+def unison_on_validation_start(trainer: TrainerView, step: int) -> None:
     """Before the validation loop that follows optimizer step ``step``, on every rank.
 
     Called by :meth:`Trainer.validate`: every ``val_every_n_steps`` and once at
@@ -355,7 +355,7 @@ def unison_on_validation_start(trainer: Trainer, step: int) -> None:
 
 
 @hookspec
-def unison_on_validation_end(trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+def unison_on_validation_end(trainer: TrainerView, step: int, metrics: dict[str, float]) -> None:
     """After the validation loop, on every rank.
 
     Called by :meth:`Trainer.validate`, before the metrics go to
@@ -372,7 +372,7 @@ def unison_on_validation_end(trainer: Trainer, step: int, metrics: dict[str, flo
 
 
 @hookspec
-def unison_on_save_checkpoint(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+def unison_on_save_checkpoint(trainer: TrainerView, checkpoint: dict[str, Any]) -> None:
     """While a checkpoint is written, before it is committed, on every rank.
 
     Called by :meth:`Trainer.save_checkpoint` (every
@@ -391,7 +391,7 @@ def unison_on_save_checkpoint(trainer: Trainer, checkpoint: dict[str, Any]) -> N
 
 
 @hookspec
-def unison_on_load_checkpoint(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+def unison_on_load_checkpoint(trainer: TrainerView, checkpoint: dict[str, Any]) -> None:
     """When ``fit`` resumes, after model, optimizer and progress were restored.
 
     Called by :meth:`Trainer.fit` (given ``ckpt_path``) after
@@ -406,7 +406,7 @@ def unison_on_load_checkpoint(trainer: Trainer, checkpoint: dict[str, Any]) -> N
 
 
 @hookspec
-def unison_log_metrics(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+def unison_log_metrics(trainer: TrainerView, metrics: dict[str, float], step: int) -> None:
     """Deliver metrics to loggers.
 
     Called by the trainer on every rank (the same metrics everywhere, already
@@ -447,7 +447,7 @@ def unison_default_plugins(settings: Any, plugins: list[Any]) -> list[Any]:
 
 
 @hookspec
-def unison_on_trainer_init(trainer: Trainer) -> None:
+def unison_on_trainer_init(trainer: TrainerView) -> None:
     """Check, before any process group exists, what a plugin needs from the settings.
 
     Called by :class:`~unison.Trainer` once, at the end of its constructor, on
@@ -461,7 +461,7 @@ def unison_on_trainer_init(trainer: Trainer) -> None:
 
 
 @hookspec
-def unison_validation_progress(trainer: Trainer, step: int, batch_idx: int, num_batches: int | None) -> None:
+def unison_validation_progress(trainer: TrainerView, step: int, batch_idx: int, num_batches: int | None) -> None:
     """After each validation forward, for progress displays.
 
     Called by :meth:`Trainer.validate` on every rank, after batch

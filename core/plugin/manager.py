@@ -64,14 +64,14 @@ from unison.plugin.entry_points import entry_points as installed_entry_points
 from unison.plugin.registry import PrecisionRegistry, StrategyRegistry
 from unison.plugin.rng_guard import CHECK_RNG_ENV
 from unison.plugin.rng_guard import install as install_rng_guard
+from unison.plugin.views import TrainerView
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from unison.checkpointing.storage import StorageFactory
-    from unison.launch.cluster import ClusterEnvironment
-    from unison.training.outputs import StepOutput
-    from unison.training.trainer import Trainer
+    from unison.contract.cluster import ClusterEnvironment
+    from unison.contract.outputs import StepOutput
+    from unison.contract.spec import StorageFactory
 
 ENTRY_POINT_GROUP = "unison"
 DISABLE_AUTOLOAD_ENV = "UNISON_DISABLE_PLUGIN_AUTOLOAD"
@@ -365,60 +365,60 @@ class PluginManager:
         plan: dict[str, str] | None = self._call("unison_tensor_parallel_plan")(module=module)
         return plan
 
-    def unison_on_fit_start(self, *, trainer: Trainer) -> None:
+    def unison_on_fit_start(self, *, trainer: TrainerView) -> None:
         self._call("unison_on_fit_start")(trainer=trainer)
 
-    def unison_on_fit_end(self, *, trainer: Trainer) -> None:
+    def unison_on_fit_end(self, *, trainer: TrainerView) -> None:
         self._call("unison_on_fit_end")(trainer=trainer)
 
-    def unison_on_exception(self, *, trainer: Trainer, exception: BaseException) -> None:
+    def unison_on_exception(self, *, trainer: TrainerView, exception: BaseException) -> None:
         self._call("unison_on_exception")(trainer=trainer, exception=exception)
 
-    def unison_on_train_epoch_start(self, *, trainer: Trainer, epoch: int) -> None:
+    def unison_on_train_epoch_start(self, *, trainer: TrainerView, epoch: int) -> None:
         self._call("unison_on_train_epoch_start")(trainer=trainer, epoch=epoch)
 
-    def unison_on_train_epoch_end(self, *, trainer: Trainer, epoch: int) -> None:
+    def unison_on_train_epoch_end(self, *, trainer: TrainerView, epoch: int) -> None:
         self._call("unison_on_train_epoch_end")(trainer=trainer, epoch=epoch)
 
-    def unison_on_train_step_start(self, *, trainer: Trainer, step: int) -> None:
+    def unison_on_train_step_start(self, *, trainer: TrainerView, step: int) -> None:
         self._call("unison_on_train_step_start")(trainer=trainer, step=step)
 
-    def unison_on_after_backward(self, *, trainer: Trainer, step: int) -> None:
+    def unison_on_after_backward(self, *, trainer: TrainerView, step: int) -> None:
         self._call("unison_on_after_backward")(trainer=trainer, step=step)
 
-    def unison_on_before_optimizer_step(self, *, trainer: Trainer, step: int, grad_norm: torch.Tensor) -> None:
+    def unison_on_before_optimizer_step(self, *, trainer: TrainerView, step: int, grad_norm: torch.Tensor) -> None:
         self._call("unison_on_before_optimizer_step")(trainer=trainer, step=step, grad_norm=grad_norm)
 
-    def unison_on_after_optimizer_step(self, *, trainer: Trainer, step: int, skipped: bool) -> None:
+    def unison_on_after_optimizer_step(self, *, trainer: TrainerView, step: int, skipped: bool) -> None:
         self._call("unison_on_after_optimizer_step")(trainer=trainer, step=step, skipped=skipped)
 
-    def unison_on_train_step_end(self, *, trainer: Trainer, step: int, output: StepOutput) -> None:
+    def unison_on_train_step_end(self, *, trainer: TrainerView, step: int, output: StepOutput) -> None:
         self._call("unison_on_train_step_end")(trainer=trainer, step=step, output=output)
 
-    def unison_on_validation_start(self, *, trainer: Trainer, step: int) -> None:
+    def unison_on_validation_start(self, *, trainer: TrainerView, step: int) -> None:
         self._call("unison_on_validation_start")(trainer=trainer, step=step)
 
-    def unison_on_validation_end(self, *, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+    def unison_on_validation_end(self, *, trainer: TrainerView, step: int, metrics: dict[str, float]) -> None:
         self._call("unison_on_validation_end")(trainer=trainer, step=step, metrics=metrics)
 
-    def unison_on_save_checkpoint(self, *, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    def unison_on_save_checkpoint(self, *, trainer: TrainerView, checkpoint: dict[str, Any]) -> None:
         self._call("unison_on_save_checkpoint")(trainer=trainer, checkpoint=checkpoint)
 
-    def unison_on_load_checkpoint(self, *, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    def unison_on_load_checkpoint(self, *, trainer: TrainerView, checkpoint: dict[str, Any]) -> None:
         self._call("unison_on_load_checkpoint")(trainer=trainer, checkpoint=checkpoint)
 
-    def unison_log_metrics(self, *, trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+    def unison_log_metrics(self, *, trainer: TrainerView, metrics: dict[str, float], step: int) -> None:
         self._call("unison_log_metrics")(trainer=trainer, metrics=metrics, step=step)
 
     def unison_default_plugins(self, *, settings: Any, plugins: list[Any]) -> list[Any]:
         """The default plugins every implementation returned, flattened into one list."""
         return [p for ps in self._call("unison_default_plugins")(settings=settings, plugins=plugins) for p in ps or []]
 
-    def unison_on_trainer_init(self, *, trainer: Trainer) -> None:
+    def unison_on_trainer_init(self, *, trainer: TrainerView) -> None:
         self._call("unison_on_trainer_init")(trainer=trainer)
 
     def unison_validation_progress(
-        self, *, trainer: Trainer, step: int, batch_idx: int, num_batches: int | None
+        self, *, trainer: TrainerView, step: int, batch_idx: int, num_batches: int | None
     ) -> None:
         self._call("unison_validation_progress")(
             trainer=trainer, step=step, batch_idx=batch_idx, num_batches=num_batches

@@ -22,14 +22,12 @@ still before any process group.
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import pydantic
 
+from unison.contract.spec import NoOptions, PrecisionSpec, StrategySpec, missing_modules
 from unison.errors import (
     ConfigurationError,
     PluginError,
@@ -39,61 +37,9 @@ from unison.errors import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover
-    from unison.contract.precision import Precision
     from unison.contract.strategy import Strategy
 
-
-class NoOptions(pydantic.BaseModel):
-    """Option schema of a strategy that takes none."""
-
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
-
-
-def missing_modules(*modules: str) -> str | None:
-    """Return a reason naming the first module that cannot be imported, or None.
-
-    Uses ``find_spec`` so that listing strategies never imports heavy packages.
-    """
-    for module in modules:
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            return f"python package {module!r} is not installed (pip install 'unison[{module.split('.')[0]}]')"
-    return None
-
-
-@dataclass(frozen=True)
-class StrategySpec:
-    """One strategy name as a plugin registers it."""
-
-    name: str
-    #: Called with the validated options as keyword arguments.
-    factory: Callable[..., Strategy]
-    description: str
-    #: Pydantic model of the options; unknown options are rejected.
-    options: type[pydantic.BaseModel] = NoOptions
-    #: Other names for the same strategy, each with preset options
-    #: (``{"zero3_offload": {"offload_optimizer": "cpu"}}``).
-    aliases: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
-    #: ``None`` when the strategy can run here, otherwise why it cannot.
-    unavailable: str | None = None
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "aliases", MappingProxyType({k: dict(v) for k, v in self.aliases.items()}))
-
-
-@dataclass(frozen=True)
-class PrecisionSpec:
-    """One precision name as a plugin registers it."""
-
-    name: str
-    #: Called as ``factory(device=..., grad_scaler=...)`` where ``grad_scaler``
-    #: is the strategy's :meth:`~unison.Strategy.make_grad_scaler`.
-    factory: Callable[..., Precision]
-    description: str
-    unavailable: str | None = None
+__all__ = ["NoOptions", "PrecisionRegistry", "PrecisionSpec", "StrategyRegistry", "StrategySpec", "missing_modules"]
 
 
 class StrategyRegistry:

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from unison.checkpointing.checkpointer import Checkpointer
 from unison.checkpointing.resume import ResumeRequest
+from unison.contract.outputs import Progress
 from unison.contract.state import rng_state, seed_everything, set_rng_state
 from unison.data.loader import TrainData
 from unison.errors import ConfigurationError
 from unison.launch import messages
-from unison.training.outputs import Progress
 
 if TYPE_CHECKING:
     from unison.training.trainer import Trainer

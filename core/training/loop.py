@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unison.contract.outputs import NonFiniteError, StepOutput
 from unison.contract.ownership import AccumulationOwner, Feature, GradSync
 from unison.errors import ConfigurationError
 from unison.launch.collectives import RECORDER
 from unison.training.losses import LossValue, loss_value
 from unison.training.nonfinite import NonFiniteCheck
-from unison.training.outputs import NonFiniteError, StepOutput
 from unison.training.stopping import StopAgreement
 
 if TYPE_CHECKING:

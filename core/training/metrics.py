@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unison.training.outputs import StepOutput
+from unison.contract.outputs import StepOutput
 
 if TYPE_CHECKING:
     from unison.training.trainer import Trainer

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from unison.training.outputs import NonFiniteError
+from unison.contract.outputs import NonFiniteError
 
 if TYPE_CHECKING:
     from unison.training.stopping import StopAgreement

@@ -33,6 +33,7 @@ from typing_extensions import Never  # typing.Never is 3.11+; unison supports 3.
 from unison.checkpointing.checkpointer import Checkpointer
 from unison.checkpointing.resume import CkptPath
 from unison.contract.env import DistEnv, world_from_env
+from unison.contract.outputs import Progress
 from unison.contract.ownership import ReplicaInit
 from unison.contract.precision import Precision
 from unison.contract.settings import TrainerSettings, parse_settings
@@ -50,7 +51,6 @@ from unison.training import runs
 from unison.training.checkpointing import CheckpointManager, DataPosition
 from unison.training.loop import TrainLoop
 from unison.training.metrics import MetricsLog
-from unison.training.outputs import Progress
 from unison.training.preflight import (
     FitInputs,
     OptimizerArg,

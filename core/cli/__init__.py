@@ -7,7 +7,7 @@
   given or derived from SLURM / Kubernetes, see :mod:`unison.launch.cluster`).
 * ``unison train CONFIG [--set KEY=VALUE ...] [--strategy NAME] [--nproc N] [--resume auto|PATH]
   [--nnodes N --rdzv-endpoint ...]`` – train from a config file; ``--set`` overrides any key.
-* ``unison checkpoint inspect|verify|export PATH`` – see :mod:`unison.checkpointing.cli`.
+* ``unison checkpoint inspect|verify|export PATH`` – see :mod:`unison.cli.checkpoint`.
 
 Plugins add more commands through ``unison_add_cli_commands``
 (``unison conformance`` comes from the conformance suite that way).
@@ -26,7 +26,7 @@ from rich.table import Table
 
 # Only light modules here: torch and the plugins load when a command needs them
 # (``unison --help`` imports neither; see PluginManager(lazy=True)).
-from unison.checkpointing.cli import checkpoint as checkpoint_commands
+from unison.cli.checkpoint import checkpoint as checkpoint_commands
 from unison.errors import UnisonError
 from unison.launch import messages
 from unison.plugin.manager import PluginManager

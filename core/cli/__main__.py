@@ -1,0 +1,5 @@
+"""``python -m unison.cli``: the ``unison`` command."""
+
+from unison.cli import main
+
+main()
