@@ -186,3 +186,35 @@ def test_a_planted_upward_import_fails_the_layering_check(tmp_path):
         "core/contract/_probe.py imports unison.training.trainer (layer training, above contract)",
         "core/contract/_probe.py imports unison.training.trainer.Trainer (layer training, above contract)",
     ]
+
+
+# --------------------------------------------------------------------------- #
+# Export lists: one kept by hand per package, the others generated or checked
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize(
+    ("package", "init"),
+    [("unison", "core"), ("unison.contract", "core/contract"), ("unison.conformance", "conformance_tests")],
+)
+def test_a_package_s_exports_are_one_list(package, init):
+    import importlib
+
+    module = importlib.import_module(package)
+    exports = {
+        name: (where if where.startswith("unison.") else f"unison.{where}") for name, where in module._EXPORTS.items()
+    }
+    if package == "unison.contract":
+        exports = {name: f"unison.contract.{where}" for name, where in module._EXPORTS.items()}
+    assert module.__all__ == sorted(exports)
+    # What type checkers see (the ``if TYPE_CHECKING:`` imports), where a package has them: the same names
+    # from the same modules.
+    tree = ast.parse((ROOT / init / "__init__.py").read_text())
+    seen = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            for child in ast.walk(node):
+                if isinstance(child, ast.ImportFrom):
+                    seen.update({alias.name: child.module for alias in child.names})
+    if seen:
+        assert seen == exports
+    for name, where in exports.items():  # every name is where the list says
+        assert getattr(module, name) is getattr(importlib.import_module(where), name), name
