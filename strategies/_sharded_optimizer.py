@@ -65,7 +65,7 @@ from unison.contract.ownership import (
     StateDictKind,
 )
 from unison.contract.replicated import TRAINER_PRECISION, ReplicatedStrategy
-from unison.contract.strategy import OptimizerFactory
+from unison.contract.strategy import OptimizerFactory, Strategy
 from unison.errors import ConfigurationError
 from unison.strategies.ddp import distributed_data_parallel
 
@@ -279,9 +279,10 @@ class OptimizerSharding:
 
     ``make`` builds the sharding optimizer (ZeroRedundancyOptimizer, fairscale
     OSS) from the user's :class:`OptimizerRecipe`; ``consolidate`` gathers its
-    full state on rank 0 (collective). The strategy delegates building, saving,
-    loading and the memory count to it, so ``torch_zero``, ``fairscale_oss`` and
-    ``fairscale_sdp`` share it without sharing a class chain.
+    full state on rank 0 (collective). A strategy delegates building, saving,
+    loading and the memory count to it (:class:`HoldsOptimizerSharding` writes the
+    delegation once), so ``torch_zero``, ``fairscale_oss`` and ``fairscale_sdp``
+    share it with different wrappers (DDP, fairscale's ShardedDataParallel).
     """
 
     def __init__(
@@ -340,7 +341,38 @@ def zero_redundancy_sharding() -> OptimizerSharding:
     )
 
 
-class ShardedOptimizerStrategy(ReplicatedStrategy):
+class HoldsOptimizerSharding(Strategy):
+    """A strategy that holds an :class:`OptimizerSharding` as ``self.sharding``: the delegation, written once.
+
+    It builds the optimizer, saves and loads it, counts its memory and forgets it at teardown through
+    the component; put it first among the bases (``class S(HoldsOptimizerSharding, ReplicatedStrategy)``)
+    and set ``self.sharding`` in ``__init__``. ``torch_zero`` and ``fairscale_oss``
+    (:class:`ShardedOptimizerStrategy`) and ``fairscale_sdp`` use it.
+    """
+
+    sharding: OptimizerSharding
+
+    def build_optimizer(self, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        assert self.module is not None
+        return self.sharding.build(make_optimizer, self.module, strategy=self.name)
+
+    def save_state(self, directory: Path) -> None:
+        assert self.module is not None
+        self.sharding.save(self.module, directory)
+
+    def load_state(self, directory: Path) -> None:
+        assert self.module is not None
+        self.sharding.load(self.module, directory)
+
+    def memory_footprint(self) -> dict[str, int]:
+        return {**super().memory_footprint(), "optimizer_state": self.sharding.state_bytes()}
+
+    def teardown(self) -> None:
+        super().teardown()
+        self.sharding.reset()
+
+
+class ShardedOptimizerStrategy(HoldsOptimizerSharding, ReplicatedStrategy):
     """DDP for gradients, an :class:`OptimizerSharding` for a sharded optimizer state.
 
     Gradients are whole and equal on every rank after DDP's all-reduce, so the
@@ -372,24 +404,5 @@ class ShardedOptimizerStrategy(ReplicatedStrategy):
         assert self.env is not None
         return distributed_data_parallel(module, self.env)
 
-    def build_optimizer(self, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
-        assert self.module is not None
-        return self.sharding.build(make_optimizer, self.module, strategy=self.name)
-
     def no_sync(self) -> AbstractContextManager[Any]:
         return self.model.no_sync()
-
-    def save_state(self, directory: Path) -> None:
-        assert self.module is not None
-        self.sharding.save(self.module, directory)
-
-    def load_state(self, directory: Path) -> None:
-        assert self.module is not None
-        self.sharding.load(self.module, directory)
-
-    def memory_footprint(self) -> dict[str, int]:
-        return {**super().memory_footprint(), "optimizer_state": self.sharding.state_bytes()}
-
-    def teardown(self) -> None:
-        super().teardown()
-        self.sharding.reset()

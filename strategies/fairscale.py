@@ -41,7 +41,7 @@ from __future__ import annotations
 import types
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pydantic
 import torch
@@ -66,15 +66,13 @@ from unison.plugin import hookimpl
 from unison.plugin.registry import StrategySpec, missing_modules
 from unison.strategies._sharded_optimizer import (
     CONSOLIDATED_DCP_STATE,
+    HoldsOptimizerSharding,
     OptimizerRecipe,
     OptimizerSharding,
     ShardedOptimizerStrategy,
 )
 from unison.strategies._upstream.fairscale import remove_grad_hooks
 from unison.strategies._upstream.torch import FlagReducingGradScaler
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
 
 # --------------------------------------------------------------------------- #
 # fairscale_oss: OSS + torch DDP
@@ -179,7 +177,7 @@ _SDP_PRECISION = {
 }
 
 
-class FairscaleSDPStrategy(ReplicatedStrategy):
+class FairscaleSDPStrategy(HoldsOptimizerSharding, ReplicatedStrategy):
     """fairscale OSS + ShardedDataParallel: gradients reduced to their owner rank only.
 
     Holds the OSS component for its optimizer (building, checkpoints, memory
@@ -227,23 +225,8 @@ class FairscaleSDPStrategy(ReplicatedStrategy):
         )
         return model, optimizer
 
-    def build_optimizer(self, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
-        assert self.module is not None
-        return self.sharding.build(make_optimizer, self.module, strategy=self.name)
-
     def no_sync(self) -> AbstractContextManager[Any]:
         return self.model.no_sync()
-
-    def save_state(self, directory: Path) -> None:
-        assert self.module is not None
-        self.sharding.save(self.module, directory)
-
-    def load_state(self, directory: Path) -> None:
-        assert self.module is not None
-        self.sharding.load(self.module, directory)
-
-    def memory_footprint(self) -> dict[str, int]:
-        return {**super().memory_footprint(), "optimizer_state": self.sharding.state_bytes()}
 
     def _owned_params_with_grad(self) -> list[torch.nn.Parameter]:
         assert self.optimizer is not None
@@ -282,8 +265,7 @@ class FairscaleSDPStrategy(ReplicatedStrategy):
             # Its reduce hooks live on the parameters' gradient accumulators;
             # a later wrapper of the same module must not inherit them.
             remove_grad_hooks(self.model)
-        super().teardown()
-        self.sharding.reset()
+        super().teardown()  # then the sharding forgets its optimizer (HoldsOptimizerSharding)
 
 
 # --------------------------------------------------------------------------- #
