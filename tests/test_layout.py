@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import ast
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,6 +113,42 @@ def _plain_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module)
     return names
+
+
+def test_the_checker_sees_a_forbidden_import():
+    """The rules above can fail: a core module importing a strategy is reported."""
+    fake = ROOT / "core" / "contract" / "_layout_probe.py"
+    fake.write_text("def f():\n    from unison.strategies.ddp import DDPStrategy\n    return DDPStrategy\n")
+    try:
+        assert _violations("core", ("unison.strategies",)) == [
+            "core/contract/_layout_probe.py imports unison.strategies.ddp",
+            "core/contract/_layout_probe.py imports unison.strategies.ddp.DDPStrategy",
+        ]
+    finally:
+        fake.unlink()
+
+
+def test_no_code_in_the_project_uses_an_old_path():
+    code = (
+        "import warnings, pkgutil, importlib, unison\n"
+        "warnings.simplefilter('error', DeprecationWarning)\n"
+        "for pkg in ('unison', 'unison.strategies', 'unison.plugins', 'unison.conformance'):\n"
+        "    mod = importlib.import_module(pkg)\n"
+        "    for m in pkgutil.walk_packages(mod.__path__, pkg + '.'):\n"
+        "        importlib.import_module(m.name)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_long_tier_module_exists_and_ci_runs_both_tiers():
+    from conftest import FULL_TIER
+
+    tests = Path(__file__).resolve().parent
+    assert sorted(m for m in FULL_TIER if not (tests / m).is_file()) == []
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "\nscripts/test 2>&1" in ci  # the README's test command: the quick tier
+    assert '-m pytest tests -p no:cacheprovider -m "not full"' in (ROOT / "scripts" / "test").read_text()
+    assert "-m pytest tests -p no:cacheprovider -m full" in ci
 
 
 # --------------------------------------------------------------------------- #

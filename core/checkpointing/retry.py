@@ -35,6 +35,7 @@ class RemoteStore(Protocol):
     #: The fsspec filesystem.
     fs: Any
 
+
 #: Seconds unison keeps retrying an object-storage call that failed for a transient reason
 #: (``UNISON_STORAGE_RETRY_S`` overrides); the wait doubles from 0.5 s up to 8 s between tries.
 DEFAULT_RETRY_S = 60.0
