@@ -30,6 +30,7 @@ straggler reports (:mod:`unison.plugins.callbacks.stragglers`). Asynchronous cal
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import time
@@ -69,6 +70,11 @@ class CollectiveRecorder:
     def __init__(self) -> None:
         #: ``(operation, group, step, micro_step, phase)`` of the last collective entered, or ``None``.
         self.last: tuple[str, Any, int, int | None, str] | None = None
+        #: The last few entered, with the monotonic time of each (a frozen rank's report picks the one
+        #: before its freeze: :meth:`describe_before`).
+        self.recent: collections.deque[tuple[float, tuple[str, Any, int, int | None, str]]] = collections.deque(
+            maxlen=16
+        )
         #: Seconds spent in blocking collectives on CPU groups (reset by whoever reads it per window).
         self.wait_s = 0.0
         self.micro = 0
@@ -86,6 +92,7 @@ class CollectiveRecorder:
         """Record that this rank enters ``op`` on ``group`` now (the hot path: assignments only)."""
         step, phase = self._where()
         self.last = (op, group, step, self.micro if step == self._micro_step else None, phase)
+        self.recent.append((time.monotonic(), self.last))
 
     def micro_step(self) -> None:
         """A micro-step's backward begins: count it within the step."""
@@ -108,11 +115,26 @@ class CollectiveRecorder:
 
     def describe(self) -> dict[str, Any] | None:
         """The last collective as plain data (for a heartbeat): op, group, step, micro_step, phase."""
-        last = self.last
-        if last is None:
-            return None
-        op, group, step, micro, phase = last
-        return {"op": op, "group": describe_group(group), "step": step, "micro_step": micro, "phase": phase}
+        return _as_record(self.last)
+
+    def describe_before(self, moment: float) -> dict[str, Any] | None:
+        """The last collective entered at or before the monotonic time ``moment``, as :meth:`describe` gives it."""
+        found = None
+        for at, entry in self.recent:
+            if at <= moment:
+                found = entry
+        return _as_record(found)
+
+    def entered_at(self) -> list[float]:
+        """The monotonic times of the recent entries."""
+        return [at for at, _ in self.recent]
+
+
+def _as_record(entry: tuple[str, Any, int, int | None, str] | None) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    op, group, step, micro, phase = entry
+    return {"op": op, "group": describe_group(group), "step": step, "micro_step": micro, "phase": phase}
 
 
 #: This process's recorder.

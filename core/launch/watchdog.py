@@ -33,9 +33,11 @@ does are one mechanism, and the stall detection itself (:class:`StallDetector`) 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import faulthandler
+import itertools
 import json
 import os
 import signal
@@ -212,6 +214,9 @@ class Watchdog:
         self.on_stall = on_stall or self.exit_stalled
         #: (step, phase): the only thing the training loop writes.
         self.where: tuple[int, str] = (0, "setup")
+        #: The last positions with the monotonic time of each (a frozen rank's report picks the one before
+        #: its freeze: :meth:`frozen_at`).
+        self._marks: collections.deque[tuple[float, tuple[int, str]]] = collections.deque(maxlen=32)
         self.report: str | None = None
         self._stoppable: list[tuple[int, str | None]] = []
         self._linger = 0.0
@@ -228,8 +233,29 @@ class Watchdog:
         return self.stall_timeout_s is not None and self.world_size > 1
 
     def mark(self, step: int, phase: str) -> None:
-        """Record where this rank is (hot path: one attribute assignment, no I/O)."""
+        """Record where this rank is (hot path: two assignments and a clock read, no I/O)."""
         self.where = (step, phase)
+        self._marks.append((time.monotonic(), self.where))
+
+    def frozen_at(self, now: float) -> tuple[tuple[int, str], dict[str, Any] | None]:
+        """Where this rank was when it froze, and the last collective it had entered then.
+
+        Called by the judging thread when its own wait of one interval took a whole stall timeout. Once
+        the process is continued, its training thread may run on before this one wakes (into the next
+        step's collectives), so the current position is not the frozen one. The freeze is the latest gap
+        of at least half the timeout between this rank's recorded events (positions, collectives entered)
+        and ``now``: what was recorded before that gap is where it froze. (The freeze lasted at least the
+        timeout less one interval, which is half the timeout or more.)
+        """
+        assert self.stall_timeout_s is not None
+        marks = list(self._marks)
+        times = sorted([at for at, _ in marks] + collectives.RECORDER.entered_at() + [now])
+        frozen = now
+        for earlier, later in itertools.pairwise(times):
+            if later - earlier >= self.stall_timeout_s / 2:
+                frozen = earlier
+        where = next((pos for at, pos in reversed(marks) if at <= frozen), self.where)
+        return where, collectives.RECORDER.describe_before(frozen)
 
     # -- lifecycle ----------------------------------------------------------- #
     def start(self) -> Watchdog:
@@ -310,15 +336,13 @@ class Watchdog:
         others = [r for r in range(self.world_size) if r != self.rank]
         while True:
             waited_from = time.monotonic()
-            # Where this rank is before the wait: after a freeze, the main thread may run on before this
-            # thread wakes, so the report gives the position last seen before the freeze, not the current one.
-            before = (self.where, collectives.RECORDER.describe())
             if self._stop.wait(self.interval):
                 return
             now = time.monotonic()
             if now - waited_from >= self.stall_timeout_s:
                 # A wait of one interval took a whole timeout: this process was
                 # frozen (stopped, or starved), and the other ranks named it.
+                before = self.frozen_at(now)
                 if self.store_host_rank == self.rank:
                     # Its peers cannot read while the store is frozen with this process: where it froze
                     # goes to the store first, for the peer that continued it to report.
