@@ -8,7 +8,7 @@ reference. So their runs carry a probe, recorded on every rank around ``fit``:
   (``torch._dynamo.utils.counters["frames"]["ok"]``, from an emptied dynamo
   cache); every rank of the strategy's run must have compiled at least one.
 * ``activation_checkpointing``: the FLOPs executed during the fit
-  (:func:`unison._upstream.flop_counter`: ``torch.utils.flop_counter``'s formulas). A
+  (:func:`unison._upstream.torch.flop_counter`: ``torch.utils.flop_counter``'s formulas). A
   checkpointed block runs its forward again in backward, so the strategy's
   ranks together must execute more FLOPs than the reference without it (the
   ranks of a data-parallel world split the batch, a pipeline's ranks split the
@@ -53,12 +53,12 @@ class FeatureProbe:
             # dynamo's cache without compiling a frame: start from an empty cache.
             import torch
 
-            from unison._upstream import compiled_frames
+            from unison._upstream.torch import compiled_frames
 
             torch.compiler.reset()
             self._frames_before = compiled_frames()
         else:
-            from unison._upstream import flop_counter
+            from unison._upstream.torch import flop_counter
 
             self._mode = flop_counter()
             self._mode.__enter__()
@@ -66,7 +66,7 @@ class FeatureProbe:
 
     def __exit__(self, *exc: Any) -> None:
         if self.feature == "compile":
-            from unison._upstream import compiled_frames
+            from unison._upstream.torch import compiled_frames
 
             self.value = float(compiled_frames() - self._frames_before)
         else:

@@ -46,6 +46,8 @@ from typing import Any
 import pydantic
 import torch
 
+from unison._upstream.fairscale import remove_grad_hooks
+from unison._upstream.torch import FlagReducingGradScaler
 from unison.contract.env import resolve_accelerator
 from unison.contract.ownership import (
     AccumulationOwner,
@@ -71,8 +73,6 @@ from unison.strategies._sharded_optimizer import (
     OptimizerSharding,
     ShardedOptimizerStrategy,
 )
-from unison.strategies._upstream.fairscale import remove_grad_hooks
-from unison.strategies._upstream.torch import FlagReducingGradScaler
 
 # --------------------------------------------------------------------------- #
 # fairscale_oss: OSS + torch DDP

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import unison
-from unison._upstream import flop_counter
+from unison._upstream.torch import flop_counter
 from unison.plugins.callbacks import Throughput
 from unison.plugins.callbacks.mfu import PEAK_TFLOPS, known_peak_flops, measured_peak_flops
 

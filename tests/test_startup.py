@@ -130,7 +130,7 @@ def test_deepspeed_on_the_cpu_builds_no_shm_comm_op(tmp_path):
     # compiling on a cold cache. unison's import marks it incompatible on the CPU, so nothing is built.
     code = (
         "import torch\n"
-        "from unison.strategies._upstream.deepspeed import import_deepspeed\n"
+        "from unison._upstream.deepspeed import import_deepspeed\n"
         "import_deepspeed(torch.device('cpu'))\n"
         "from deepspeed.comm.torch import build_shm_op\n"
         "assert build_shm_op() is None\n"

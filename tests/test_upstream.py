@@ -1,7 +1,7 @@
 """Non-public upstream APIs stay behind the adapters, pinned, and work on the installed versions.
 
-The adapters: ``strategies/_upstream/`` (one module per upstream) for the strategies, and
-``core/_upstream.py`` for the core and the plugins (which must not import strategies).
+The adapters: ``core/_upstream/`` (package ``unison._upstream``), one module per upstream library, shared
+by the core, the strategies, the plugins and the suite.
 """
 
 from __future__ import annotations
@@ -19,17 +19,16 @@ import pytest
 import torch
 
 import unison
-from unison import _upstream as core_adapter
+from unison import _upstream as adapters
+from unison._upstream import deepspeed as ds_adapter
+from unison._upstream import fairscale as fairscale_adapter
+from unison._upstream import torch as torch_adapter
 from unison.launch.torchrun import spawn
-from unison.strategies._upstream import deepspeed as ds_adapter
-from unison.strategies._upstream import fairscale as fairscale_adapter
-from unison.strategies._upstream import torch as torch_adapter
 
 from helpers import regression_data
 
 ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = ROOT / "strategies"
-CORE_ADAPTER = ROOT / "core" / "_upstream.py"
+ADAPTERS = ROOT / "core" / "_upstream"
 
 #: Names that start with an underscore yet are documented public API: ``os._exit`` (exit without
 #: cleanup, the documented way out of a forked or stalled process) and namedtuple's ``_fields``.
@@ -88,13 +87,15 @@ def private_uses(path: Path, own: set[str]) -> list[str]:
     return found
 
 
-STRATEGY_FILES = [p for p in STRATEGIES.rglob("*.py") if "_upstream" not in p.parts]
-#: core/, plugins/ and conformance_tests/ (core/_upstream.py is their adapter).
-OTHER_FILES = [
-    p for top in ("core", "plugins", "conformance_tests") for p in (ROOT / top).rglob("*.py") if p != CORE_ADAPTER
+#: Every module of the project outside the adapters.
+PROJECT_FILES = [
+    p
+    for top in ("core", "strategies", "plugins", "conformance_tests")
+    for p in (ROOT / top).rglob("*.py")
+    if ADAPTERS not in p.parents
 ]
-ADAPTER_FILES = [*sorted((STRATEGIES / "_upstream").glob("*.py")), CORE_ADAPTER]
-OWN = own_private_names(STRATEGY_FILES + OTHER_FILES)
+ADAPTER_FILES = sorted(ADAPTERS.glob("*.py"))
+OWN = own_private_names(PROJECT_FILES)
 
 
 def _uses(paths: list[Path]) -> list[tuple[str, str, str]]:
@@ -106,16 +107,10 @@ def _uses(paths: list[Path]) -> list[tuple[str, str, str]]:
     return out
 
 
-def test_no_strategy_reaches_a_private_upstream_name_outside_the_adapters():
-    assert len(STRATEGY_FILES) >= 10
-    uses = [use for path in STRATEGY_FILES for use in private_uses(path, OWN)]
-    assert not uses, "move these behind strategies/_upstream (one adapter per upstream):\n" + "\n".join(uses)
-
-
-def test_core_and_plugins_reach_private_upstream_names_only_through_core_upstream():
-    assert len(OTHER_FILES) >= 60
-    uses = [use for _rel, _what, use in _uses(OTHER_FILES)]
-    assert not uses, "move these behind core/_upstream.py (one function per private name):\n" + "\n".join(uses)
+def test_no_module_reaches_a_private_upstream_name_outside_the_adapters():
+    assert len(PROJECT_FILES) >= 150
+    uses = [use for _rel, _what, use in _uses(PROJECT_FILES)]
+    assert not uses, "move these behind unison._upstream (one adapter module per upstream):\n" + "\n".join(uses)
 
 
 def test_the_scan_ignores_relative_imports_and_documented_public_names(tmp_path):
@@ -160,7 +155,7 @@ def test_every_private_use_has_its_reason_beside_it():
 
 @pytest.mark.parametrize(
     ("adapter", "distribution"),
-    [(torch_adapter, "torch"), (ds_adapter, "deepspeed"), (fairscale_adapter, "fairscale"), (core_adapter, "torch")],
+    [(torch_adapter, "torch"), (ds_adapter, "deepspeed"), (fairscale_adapter, "fairscale")],
 )
 def test_adapters_are_pinned_to_the_installed_version(adapter, distribution):
     installed = importlib.metadata.version(distribution).split("+")[0]
@@ -171,7 +166,7 @@ def test_adapters_are_pinned_to_the_installed_version(adapter, distribution):
 
 
 def test_an_unverified_version_warns_once():
-    warn_if_unverified = core_adapter.warn_if_unverified
+    warn_if_unverified = adapters.warn_if_unverified
     with pytest.warns(RuntimeWarning, match="verified against torch 0.0.1"):
         warn_if_unverified("torch", "0.0.1", "test adapter")
     with warnings.catch_warnings():
@@ -180,14 +175,14 @@ def test_an_unverified_version_warns_once():
 
 
 # --------------------------------------------------------------------------- #
-# core/_upstream.py (the core's and the plugins' torch internals)
+# torch: process groups, launching, loader workers, tensor flattening
 # --------------------------------------------------------------------------- #
 def test_core_flatten_and_unflatten_round_trip():
     tensors = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2, 2)]
-    flat = core_adapter.flatten_dense_tensors(tensors)
+    flat = torch_adapter.flatten_dense_tensors(tensors)
     assert flat.shape == (12 + 5 + 8,)
     assert torch.equal(flat, torch.cat([t.reshape(-1) for t in tensors]))
-    back = core_adapter.unflatten_dense_tensors(flat, tensors)
+    back = torch_adapter.unflatten_dense_tensors(flat, tensors)
     assert all(torch.equal(a, b) for a, b in zip(tensors, back))
 
 
@@ -196,7 +191,7 @@ class WorkerSeen(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         seen = torch.utils.data.get_worker_info() is not None
-        with core_adapter.hidden_loader_worker():
+        with torch_adapter.hidden_loader_worker():
             hidden = torch.utils.data.get_worker_info() is None
         yield torch.tensor([seen, hidden, torch.utils.data.get_worker_info() is not None])
 
@@ -212,9 +207,9 @@ def test_shutdown_loader_workers_stops_the_workers():
     next(iterator)
     before = multiprocessing.active_children()
     assert len(before) >= 2
-    core_adapter.shutdown_loader_workers(iterator)
+    torch_adapter.shutdown_loader_workers(iterator)
     assert not any(p.is_alive() for p in before)
-    core_adapter.shutdown_loader_workers(iter(torch.utils.data.DataLoader([1, 2])))  # no workers: nothing to do
+    torch_adapter.shutdown_loader_workers(iter(torch.utils.data.DataLoader([1, 2])))  # no workers: nothing to do
 
 
 def test_torchrun_records_failures_where_the_adapter_reads_them():
@@ -223,14 +218,14 @@ def test_torchrun_records_failures_where_the_adapter_reads_them():
     # The subprocess context (what torchrun uses) keeps its failures in the attribute the adapter reads.
     assert "self._failures" in inspect.getsource(api.SubprocessContext)
     holder = type("Context", (), {"_failures": {0: "failure"}})()
-    assert core_adapter.torchrun_worker_failures(holder) == {0: "failure"}
-    assert core_adapter.torchrun_worker_failures(object()) == {}  # a context that keeps none
+    assert torch_adapter.torchrun_worker_failures(holder) == {0: "failure"}
+    assert torch_adapter.torchrun_worker_failures(object()) == {}  # a context that keeps none
 
 
 def test_nccl_flight_recorder_is_absent_on_a_cpu_build():
     if torch.cuda.is_available():
         pytest.skip("a CUDA build has the recorder")
-    assert core_adapter.nccl_flight_recorder_dump() is None
+    assert torch_adapter.nccl_flight_recorder_dump() is None
 
 
 def test_a_missing_private_name_warns_and_falls_back(monkeypatch):
@@ -238,26 +233,18 @@ def test_a_missing_private_name_warns_and_falls_back(monkeypatch):
     monkeypatch.delattr(torch._utils, "_flatten_dense_tensors")
     monkeypatch.delattr(torch._utils, "_unflatten_dense_tensors")
     with pytest.warns(RuntimeWarning, match="_flatten_dense_tensors"):
-        flat = core_adapter.flatten_dense_tensors(tensors)
+        flat = torch_adapter.flatten_dense_tensors(tensors)
     with pytest.warns(RuntimeWarning, match="_unflatten_dense_tensors"):
-        back = core_adapter.unflatten_dense_tensors(flat, tensors)
+        back = torch_adapter.unflatten_dense_tensors(flat, tensors)
     assert all(torch.equal(a, b) for a, b in zip(tensors, back))
     monkeypatch.delattr(torch.distributed.distributed_c10d, "_set_pg_timeout")
     with pytest.warns(RuntimeWarning, match="collectives keep the rendezvous timeout"):
-        core_adapter.set_default_group_timeout(datetime.timedelta(seconds=5))
+        torch_adapter.set_default_group_timeout(datetime.timedelta(seconds=5))
 
 
 # --------------------------------------------------------------------------- #
 # torch
 # --------------------------------------------------------------------------- #
-def test_flatten_and_unflatten_round_trip():
-    tensors = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 2, 2)]
-    flat = torch_adapter.flatten_dense_tensors(tensors)
-    assert flat.shape == (12 + 5 + 8,)
-    back = torch_adapter.unflatten_dense_tensors(flat, tensors)
-    assert all(torch.equal(a, b) for a, b in zip(tensors, back))
-
-
 class FirstLayerOnly(torch_adapter.FlagReducingGradScaler):
     """Unscales and checks only the first parameter group; records the flags it was given."""
 

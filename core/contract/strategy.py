@@ -415,7 +415,7 @@ class Strategy(abc.ABC):
             if p.grad is not None:
                 grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 grads.setdefault(grad.dtype, []).append(grad)
-        from unison._upstream import scale_tensors
+        from unison._upstream.torch import scale_tensors
 
         for dtype, tensors in grads.items():
             scale_tensors(tensors, factor.to(device=tensors[0].device, dtype=dtype))

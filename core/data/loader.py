@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from unison._upstream import shutdown_loader_workers
+from unison._upstream.torch import shutdown_loader_workers
 from unison.contract.settings import TrainerSettings
 from unison.data.batch import count_tokens
 from unison.data.plan import (

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, Sampler
 
-from unison._upstream import hidden_loader_worker
+from unison._upstream.torch import hidden_loader_worker
 from unison.data.plan import (
     BatchPlan,
     local_slices,

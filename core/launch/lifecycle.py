@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from unison._upstream import set_default_group_timeout
+from unison._upstream.torch import set_default_group_timeout
 from unison.launch import messages
 
 #: Exit code of a run that stopped on request after committing a checkpoint

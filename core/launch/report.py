@@ -27,7 +27,7 @@ def watch_torchrun() -> Iterator[set[int]]:
     """
     from torch.distributed.elastic.multiprocessing import api
 
-    from unison._upstream import torchrun_worker_failures
+    from unison._upstream.torch import torchrun_worker_failures
 
     failed_before_close: set[int] = set()
     closing: weakref.WeakSet[Any] = weakref.WeakSet()  # the worker contexts close() was called on

@@ -502,7 +502,7 @@ def dump_nccl_trace(rank: int) -> str | None:
     """Write torch's NCCL flight recorder (CUDA builds) to ``TORCH_FR_DUMP_TEMP_FILE`` + rank; its path or ``None``."""
     import torch
 
-    from unison._upstream import nccl_flight_recorder_dump
+    from unison._upstream.torch import nccl_flight_recorder_dump
 
     base = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
     if not base or not torch.cuda.is_available():

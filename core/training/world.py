@@ -121,7 +121,7 @@ def build_precision(
 
 def broadcast_module_state(module: torch.nn.Module, src: int = 0) -> None:
     """Make every rank's parameters and buffers equal to rank ``src``'s, in buckets of one dtype."""
-    from unison._upstream import flatten_dense_tensors, unflatten_dense_tensors
+    from unison._upstream.torch import flatten_dense_tensors, unflatten_dense_tensors
 
     tensors = [t.data for t in [*module.parameters(), *module.buffers()]]
     seen: set[int] = set()

@@ -2,7 +2,7 @@
 
 MFU = FLOPs of one optimizer step / its wall time / the device's peak FLOP/s.
 
-* **FLOPs per step** are counted by :func:`unison._upstream.flop_counter` (the formulas of
+* **FLOPs per step** are counted by :func:`unison._upstream.torch.flop_counter` (the formulas of
   :mod:`torch.utils.flop_counter`) over one whole optimizer step (every micro-batch's forward and backward on
   this rank), once per fit: every step has the same shapes, so one count
   serves them all. It counts what executes: with activation checkpointing
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from unison._upstream import outside_dispatch_modes
+from unison._upstream.torch import outside_dispatch_modes
 
 #: Dense (no sparsity) peak TFLOP/s per device, by a substring of ``torch.cuda.get_device_name()``:
 #: ``(bf16/fp16 tensor core, fp32)``. From NVIDIA's datasheets, whose tensor-core figures are quoted

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from unison._upstream import flop_counter
+from unison._upstream.torch import flop_counter
 from unison.plugin import hookimpl
 
 from .._timing import StepWindow

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from unison._upstream.apex import release_grad_accumulators
+from unison._upstream.torch import copy_step_hooks
 from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
@@ -21,8 +23,6 @@ from unison.contract.ownership import (
 from unison.contract.settings import TrainerSettings
 from unison.contract.state import canonical
 from unison.contract.strategy import OptimizerFactory, Strategy
-from unison.strategies._upstream.apex import release_grad_accumulators
-from unison.strategies._upstream.torch import copy_step_hooks
 from unison.strategies.apex.adam import adam_hyperparameters, scalar, shadow_class
 from unison.strategies.apex.declaration import PRECISION, STATE, DistributedFusedAdamOptions
 

@@ -12,7 +12,7 @@ One plugin (entry point ``deepspeed``), split by concern:
 
 The pipeline engine (``deepspeed_pipeline``) lives with the other pipeline in
 :mod:`unison.strategies.pipeline`. DeepSpeed internals are reached only
-through :mod:`unison.strategies._upstream.deepspeed`.
+through :mod:`unison._upstream.deepspeed`.
 """
 
 from __future__ import annotations

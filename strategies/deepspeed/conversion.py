@@ -15,7 +15,7 @@ copies of the masters. :class:`ZeroCanonicalState` converts both ways:
   built them from bf16/fp16-rounded weights.
 
 Every access to ZeRO's internal layout goes through
-:mod:`unison.strategies._upstream.deepspeed`.
+:mod:`unison._upstream.deepspeed`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from unison.strategies._upstream import deepspeed as ds
+from unison._upstream import deepspeed as ds
 
 
 def meta_skeleton(module: torch.nn.Module) -> torch.nn.Module:
@@ -160,7 +160,7 @@ class ZeroCanonicalState:
         ZeRO-3 asks DeepSpeed. ZeRO-1/2 read this rank's fragment straight out
         of the client optimizer's state through the parameter's fragment
         address and sum the fragments over ranks (see
-        :func:`~unison.strategies._upstream.deepspeed.fragment` for why not
+        :func:`~unison._upstream.deepspeed.fragment` for why not
         DeepSpeed's own getter, which would leave the other ranks waiting in
         the all-reduce).
         """

@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from unison._upstream import deepspeed as ds
 from unison.contract.env import resolve_accelerator
 from unison.contract.ownership import (
     AccumulationOwner,
@@ -62,7 +63,6 @@ from unison.contract.precision import cast_floating
 from unison.contract.settings import TrainerSettings
 from unison.contract.strategy import OptimizerFactory, Strategy, dcp_load, dcp_save
 from unison.errors import ConfigurationError
-from unison.strategies._upstream import deepspeed as ds
 from unison.strategies.deepspeed.config import FP16_ON_CPU, DeepSpeedOptions, build_config, check_options
 from unison.strategies.deepspeed.conversion import ZeroCanonicalState, meta_skeleton
 

@@ -8,7 +8,7 @@ Decisions, and why:
   backward divides each micro-batch loss by that count: gradients are the
   mean over micro-batches, as for every backend.
 * Its ``OptimizerStep`` instruction is left out of the schedule
-  (:func:`~unison.strategies._upstream.deepspeed.run_train_schedule_without_step`).
+  (:func:`~unison._upstream.deepspeed.run_train_schedule_without_step`).
   ``train_batch()`` would clip, step and zero inside one call; the trainer
   must see the global norm, fire ``before_optimizer_step`` and step the
   client optimizer and scheduler itself, exactly once per step. Clipping,
@@ -31,6 +31,11 @@ import pydantic
 import torch
 import torch.distributed as dist
 
+from unison._upstream.deepspeed import (
+    forget_process_groups,
+    import_deepspeed,
+    run_train_schedule_without_step,
+)
 from unison.contract.ownership import (
     AccumulationOwner,
     Feature,
@@ -43,11 +48,6 @@ from unison.contract.ownership import (
 from unison.contract.precision import Precision
 from unison.contract.strategy import LossFn, OptimizerFactory
 from unison.errors import ConfigurationError
-from unison.strategies._upstream.deepspeed import (
-    forget_process_groups,
-    import_deepspeed,
-    run_train_schedule_without_step,
-)
 from unison.strategies.pipeline.base import (
     PIPELINE_REFUSALS,
     PIPELINE_STATE,

@@ -57,6 +57,12 @@ import pydantic
 import torch
 import torch.distributed as dist
 
+from unison._upstream.torch import (
+    FlagReducingGradScaler,
+    buffer_keeping_pipeline_stage,
+    flatten_dense_tensors,
+    unflatten_dense_tensors,
+)
 from unison.contract.env import DistEnv
 from unison.contract.ownership import (
     AccumulationOwner,
@@ -69,12 +75,6 @@ from unison.contract.ownership import (
 from unison.contract.precision import Precision
 from unison.contract.strategy import LossFn, OptimizerFactory
 from unison.errors import ConfigurationError
-from unison.strategies._upstream.torch import (
-    FlagReducingGradScaler,
-    buffer_keeping_pipeline_stage,
-    flatten_dense_tensors,
-    unflatten_dense_tensors,
-)
 from unison.strategies.pipeline.base import (
     PIPELINE_REFUSALS,
     PIPELINE_STATE,
