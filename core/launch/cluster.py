@@ -27,7 +27,7 @@ from unison.errors import ConfigurationError
 if TYPE_CHECKING:  # pragma: no cover
     from unison.plugin.manager import PluginManager
 
-__all__ = ["ClusterEnvironment", "NodeLaunch", "node_launch", "select_environment"]
+__all__ = ["ClusterEnvironment", "NodeLaunch", "expand_hostlist", "node_launch", "select_environment"]
 
 
 def _given(torchrun_args: Sequence[str]) -> set[str]:
