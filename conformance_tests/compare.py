@@ -106,15 +106,8 @@ _PER_REPLICA_BATCH_HOOKS = ("unison_validation_progress",)
 _STRATEGY_QUERY_HOOKS = ("unison_tensor_parallel_plan",)
 
 
-#: Hooks around each micro-batch the trainer feeds one at a time: a pipeline schedule runs a step's
-#: micro-batches itself, so they fire under every backend but the pipelines (their collectives and engine
-#: boundaries are checked by :mod:`unison.conformance.checks.sync` instead).
-_MICRO_STEP_HOOKS = ("unison_on_micro_step_start", "unison_on_micro_step_end")
-
-
 def _comparable_hooks(hooks: list[str]) -> list[str]:
-    skip = (*_PER_REPLICA_BATCH_HOOKS, *_STRATEGY_QUERY_HOOKS, *_MICRO_STEP_HOOKS)
-    return [h for h in hooks if h not in skip]
+    return [h for h in hooks if h not in _PER_REPLICA_BATCH_HOOKS and h not in _STRATEGY_QUERY_HOOKS]
 
 
 def judge_scenario(

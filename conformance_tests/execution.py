@@ -40,7 +40,7 @@ from unison.conformance.feature_probes import FeatureProbe
 from unison.conformance.models import OPTIMIZERS, SCHEDULERS, build_model, loss_fn, perturb, training_step
 from unison.conformance.sensitivity import PrecisionProbe, probes_apply
 from unison.conformance.spec import Run, Scenario
-from unison.conformance.trace import TraceRecorder, analyse_collectives, profile_collectives
+from unison.conformance.trace import TraceRecorder, analyse_collectives, instrument, profile_collectives
 from unison.conformance.validation import validation_data
 from unison.conformance.workloads import huggingface_slice_mean, token_loss, token_slice_mean
 from unison.contract.ownership import STANDARD_PRECISIONS, WorldSizes
@@ -116,6 +116,8 @@ def execute_run(
         # loggers=False: the suite's runs leave no run directory behind (but a run with the defaults on).
         loggers: dict[str, Any] = {} if run.defaults else {"loggers": False}
         trainer = unison.Trainer(strategy=strategy, plugin_manager=pm, callbacks=[recorder], **loggers, **settings)
+        boundaries: list[bool] = []
+        instrument(trainer.strategy, boundaries)
         optimizers: list[torch.optim.Optimizer] = []
         schedulers: list[Any] = []
 
@@ -172,7 +174,7 @@ def execute_run(
                 "optimizers_built": len(optimizers),
                 "scheduler_last_epoch": schedulers[-1].last_epoch if schedulers else None,
             },
-            boundaries=recorder.boundaries,
+            boundaries=boundaries,
             accumulation_owner=trainer.ownership.grad_accumulation.owner.value,
             accumulation_sync=trainer.ownership.grad_accumulation.sync.value,
             world_size=torch.distributed.get_world_size() if dist_on else 1,

@@ -25,12 +25,10 @@ Every run produces a *trace* (a plain dict, JSON-able but for ``state``):
     Python functions; every collective, from Python or C++, goes through the
     ``c10d`` dispatcher ops. Counted per kind for the whole fit, per optimizer
     step inside the forward/backward window (``unison_on_train_step_start`` to
-    ``unison_on_after_backward``), and inside the strategy's ``no_sync()`` (the
-    micro-steps ``unison_on_micro_step_start`` announces with ``sync=False``,
-    to their ``unison_on_micro_step_end``). Per micro-step too
-    (``gradient_sync_per_micro_step``): each micro-step's window runs from the
-    previous micro-step's end (or the step's start) to its own
-    ``unison_on_micro_step_end``, so the suite can check the declared
+    ``unison_on_after_backward``), and inside the strategy's ``no_sync()``.
+    Per micro-step too (``gradient_sync_per_micro_step``): each micro-step's
+    window runs from the end of the previous micro-step's ``backward`` (or the
+    step's start) to the end of its own, so the suite can check the declared
     :class:`~unison.contract.ownership.GradSync` (boundary only, or every micro-step).
     A ``c10d`` call made inside one of DTensor's functional collectives
     (``_c10d_functional::*``, e.g. tensor parallel's all-reduce of a row-wise
@@ -43,10 +41,7 @@ Every run produces a *trace* (a plain dict, JSON-able but for ``state``):
     escape this count; its numbers are still compared.
 ``boundaries``
     for engine-owned accumulation, what ``is_accumulation_boundary()``
-    answered at every micro-step (``unison_on_micro_step_end``'s ``boundary``).
-
-The suite observes micro-steps only through these documented hooks: no method
-of the strategy is replaced or wrapped.
+    answered at every micro-step.
 ``state``
     ``trainer.full_state_dict()`` after ``fit``, on every rank (so replicas
     that end apart are seen).
@@ -70,7 +65,6 @@ from typing import Any
 import torch
 
 import unison
-from unison.contract.ownership import AccumulationOwner
 
 STEP_MARK = "unison.conformance::forward_backward"
 
@@ -140,9 +134,6 @@ class TraceRecorder:
         self.updates_outside_window = 0
         #: ``{"step", "loss"}`` of every validation (``val/loss``).
         self.validations: list[dict[str, Any]] = []
-        #: Engine-owned accumulation: the engine's ``is_accumulation_boundary()`` answer at every micro-step.
-        self.boundaries: list[bool] = []
-        self._no_sync: Any = None
 
     def count_update(self) -> None:
         if self.in_update and self.current_step is not None:
@@ -167,32 +158,6 @@ class TraceRecorder:
         self.close_mark()
         self._mark = torch.autograd.profiler.record_function(STEP_MARK)
         self._mark.__enter__()
-
-    @unison.hookimpl
-    def unison_on_micro_step_start(self, sync: bool) -> None:
-        # A micro-step the trainer runs inside the strategy's no_sync(): its span, for the collectives in it.
-        if not sync:
-            self._no_sync = torch.autograd.profiler.record_function(NO_SYNC_MARK)
-            self._no_sync.__enter__()
-
-    @unison.hookimpl
-    def unison_on_micro_step_end(self, trainer: Any, boundary: bool) -> None:
-        self._close_no_sync()
-        # The end of this micro-step's backward: the boundary between micro-step windows.
-        with torch.autograd.profiler.record_function(MICRO_MARK):
-            pass
-        if trainer.ownership.grad_accumulation.owner is AccumulationOwner.ENGINE:
-            self.boundaries.append(boundary)
-
-    @unison.hookimpl
-    def unison_on_exception(self) -> None:
-        self._close_no_sync()
-        self.close_mark()
-
-    def _close_no_sync(self) -> None:
-        if self._no_sync is not None:
-            self._no_sync.__exit__(None, None, None)
-            self._no_sync = None
 
     @unison.hookimpl
     def unison_on_after_backward(self, step: int) -> None:
@@ -325,3 +290,37 @@ def profile_collectives(enabled: bool) -> Iterator[list[Any]]:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=False) as prof:
         yield out
     out.append(prof)
+
+
+def instrument(strategy: Any, boundaries: list[bool]) -> None:
+    """Observe ``no_sync``, ``backward`` and ``is_accumulation_boundary`` on this strategy instance.
+
+    Instance attributes shadow the methods: the strategy's behaviour is
+    unchanged, the suite only marks the time spans and records the answers.
+    """
+    original_backward = strategy.backward
+
+    def backward(loss: Any) -> None:
+        with torch.autograd.profiler.record_function(MICRO_MARK):
+            original_backward(loss)
+
+    strategy.backward = backward
+    original_no_sync = getattr(strategy, "no_sync", None)
+    if original_no_sync is not None:
+
+        @contextlib.contextmanager
+        def no_sync() -> Iterator[Any]:
+            with torch.autograd.profiler.record_function(NO_SYNC_MARK), original_no_sync() as value:
+                yield value
+
+        strategy.no_sync = no_sync
+    original_boundary = getattr(strategy, "is_accumulation_boundary", None)
+    if original_boundary is None:
+        return
+
+    def is_accumulation_boundary() -> bool:
+        answer = bool(original_boundary())
+        boundaries.append(answer)
+        return answer
+
+    strategy.is_accumulation_boundary = is_accumulation_boundary

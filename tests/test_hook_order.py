@@ -47,8 +47,7 @@ def order_pattern(block: str) -> re.Pattern[str]:
     """A regular expression over ``"hook hook ... "`` strings that accepts exactly the documented orders.
 
     ``name`` must fire; ``[a, b, c]`` fires all or none of its hooks, in order;
-    ``each optimizer step:`` and ``each micro-batch the trainer feeds:`` repeat their more-indented lines
-    any number of times;
+    ``each optimizer step:`` repeats its more-indented lines any number of times;
     text after a hook (two spaces or more) is the condition and is not parsed,
     and a line holding only such text continues the previous line's condition.
     """
@@ -66,7 +65,7 @@ def order_pattern(block: str) -> re.Pattern[str]:
             stack.pop()
         parts = stack[-1][1]
         if text.endswith(":"):
-            assert text in ("each optimizer step:", "each micro-batch the trainer feeds:"), f"unknown block {text!r}"
+            assert text == "each optimizer step:", f"unknown block header {text!r}"
             body: list[Any] = []
             parts.append(("loop", body))
             stack.append((indent, body))
@@ -201,43 +200,3 @@ def test_every_lifecycle_hookspec_appears_in_the_documented_order():
     # (both are described right after the block).
     missing = [n for n in specs if n not in block and n not in ("unison_on_exception", "unison_on_trainer_init")]
     assert not missing, f"hooks missing from the documented order in unison.plugin.hookspecs: {missing}"
-
-
-class MicroSteps:
-    """Records the micro-step hooks' arguments."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    @unison.hookimpl
-    def unison_on_micro_step_start(self, step, micro_step, sync):
-        self.calls.append(("start", step, micro_step, sync))
-
-    @unison.hookimpl
-    def unison_on_micro_step_end(self, step, micro_step, boundary):
-        self.calls.append(("end", step, micro_step, boundary))
-
-
-def test_micro_step_hooks_say_which_micro_steps_sync_and_where_the_boundary_is():
-    # single: trainer-owned accumulation with boundary sync, so the first two of three micro-steps run in no_sync().
-    micro = MicroSteps()
-    trainer = unison.Trainer(
-        strategy="single",
-        global_batch_size=6,
-        accumulate_grad_batches=3,
-        max_steps=2,
-        progress="off",
-        loggers=False,
-        callbacks=[micro],
-    )
-    trainer.fit(
-        mlp(),
-        regression_data(12),
-        loss_fn=torch.nn.functional.mse_loss,
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
-    )
-    expected = []
-    for step in range(2):
-        for i in range(3):
-            expected += [("start", step, i, i == 2), ("end", step, i, i == 2)]
-    assert micro.calls == expected

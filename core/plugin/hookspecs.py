@@ -16,23 +16,17 @@ Conventions (shared by all hooks below):
 * Lifecycle hooks return ``None``; their return values are ignored. Hooks with
   a meaningful result say so under "Returns".
 
-The order of one ``fit`` call, identical for every strategy but for the micro-step
-pair. A bracketed line fires only when the condition beside it holds (all of its
-hooks, in that order); ``each optimizer step:`` repeats its indented block once
-per optimizer step, and ``each micro-batch the trainer feeds:`` once per
-micro-batch where the trainer feeds them one at a time (trainer- and
-engine-owned accumulation; a pipeline schedule runs a step's micro-batches
-itself, and fires no micro-step hook). ``tests/test_hook_order.py`` checks a
-real run against this block, and docs/hooks.md repeats it::
+The order of one ``fit`` call, identical for every strategy. A bracketed
+line fires only when the condition beside it holds (all of its hooks, in that
+order); ``each optimizer step:`` repeats its indented block once per optimizer
+step. ``tests/test_hook_order.py`` checks a real run against this block, and
+docs/hooks.md repeats it::
 
     unison_on_fit_start
     [unison_on_load_checkpoint]                  resuming (ckpt_path given)
     each optimizer step:
       [unison_on_train_epoch_start]              first step of an epoch, or of a resumed run
       unison_on_train_step_start
-      each micro-batch the trainer feeds:
-        unison_on_micro_step_start               inside no_sync() when sync is False
-        unison_on_micro_step_end                 after its backward
       unison_on_after_backward                   once, after the last micro-batch
       unison_on_before_optimizer_step            once, with the global grad norm
       unison_on_after_optimizer_step             once; says whether the update was skipped
@@ -49,11 +43,12 @@ real run against this block, and docs/hooks.md repeats it::
     unison_on_fit_end
 
 Outside this order: ``unison_default_plugins`` and ``unison_on_trainer_init``
-run once, in ``Trainer(...)``; ``unison_tensor_parallel_plan`` is asked by a tensor-parallel strategy, before
-any process group, about a model without a plan; ``unison_validation_progress``
-ticks after each validation batch between ``unison_on_validation_start`` and
-``unison_on_validation_end`` (its count depends on the data-parallel size, so
-it is not part of the order every backend shares).
+run once, in ``Trainer(...)``; ``unison_tensor_parallel_plan`` is asked by a
+tensor-parallel strategy, before any process group, about a model without a
+plan; ``unison_validation_progress`` ticks after each validation batch
+between ``unison_on_validation_start`` and ``unison_on_validation_end`` (its
+count depends on the data-parallel size, so it is not part of the order every
+backend shares).
 
 A plugin that sets ``trainer.should_stop`` ends the loop after the current
 step's validation and checkpoint; the final validation and checkpoint then do
@@ -291,34 +286,6 @@ def unison_on_train_step_start(trainer: TrainerView, step: int) -> None:
 
     Called by :meth:`Trainer.fit` once per optimizer step, on every backend,
     before the step's micro-batches are loaded.
-    """
-
-
-@hookspec
-def unison_on_micro_step_start(trainer: TrainerView, step: int, micro_step: int, sync: bool) -> None:
-    """Before the forward of micro-batch ``micro_step`` (0-based) of optimizer step ``step``, on every rank.
-
-    Called by :meth:`Trainer.fit` where the trainer feeds a step's micro-batches one at a time
-    (trainer- and engine-owned accumulation), between ``unison_on_train_step_start`` and
-    ``unison_on_after_backward``. A pipeline schedule takes a step's micro-batches at once and runs
-    them itself, so under it neither micro-step hook fires: they are outside the order every backend
-    shares. ``sync`` says whether this micro-step's backward synchronises gradients: ``False`` for
-    every micro-step but the last under trainer-owned accumulation with boundary sync, where the hook
-    runs inside the strategy's ``no_sync()`` (until :func:`unison_on_micro_step_end`).
-    """
-
-
-@hookspec
-def unison_on_micro_step_end(trainer: TrainerView, step: int, micro_step: int, boundary: bool) -> None:
-    """After the backward of micro-batch ``micro_step`` of optimizer step ``step``, on every rank.
-
-    Called by :meth:`Trainer.fit` after each :func:`unison_on_micro_step_start` (inside ``no_sync()``
-    when that was). ``boundary``:
-    whether the step's gradients are complete after this micro-step: the last micro-step under
-    trainer-owned accumulation, and the engine's own answer (``is_accumulation_boundary()``) under
-    engine-owned accumulation, given before the trainer checks it against its count (an engine that
-    disagrees then fails the step, naming the micro-step). The conformance suite observes micro-steps
-    here: their gradient collectives and, for engines, these answers.
     """
 
 

@@ -383,12 +383,6 @@ class PluginManager:
     def unison_on_train_step_start(self, *, trainer: TrainerView, step: int) -> None:
         self._call("unison_on_train_step_start")(trainer=trainer, step=step)
 
-    def unison_on_micro_step_start(self, *, trainer: TrainerView, step: int, micro_step: int, sync: bool) -> None:
-        self._call("unison_on_micro_step_start")(trainer=trainer, step=step, micro_step=micro_step, sync=sync)
-
-    def unison_on_micro_step_end(self, *, trainer: TrainerView, step: int, micro_step: int, boundary: bool) -> None:
-        self._call("unison_on_micro_step_end")(trainer=trainer, step=step, micro_step=micro_step, boundary=boundary)
-
     def unison_on_after_backward(self, *, trainer: TrainerView, step: int) -> None:
         self._call("unison_on_after_backward")(trainer=trainer, step=step)
 

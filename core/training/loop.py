@@ -126,7 +126,7 @@ class TrainLoop:
         assert precision is not None and trainer.env is not None
         step = batch.step
         hook.unison_on_train_step_start(trainer=trainer, step=step)
-        values = self.forward_backward(batch.micro_batches, step)
+        values = self.forward_backward(batch.micro_batches)
         self.watchdog.mark(step, "optimizer_step")
         hook.unison_on_after_backward(trainer=trainer, step=step)
 
@@ -217,7 +217,7 @@ class TrainLoop:
             progress.skipped_steps += 1
             self.consecutive_skips += 1
 
-    def forward_backward(self, micro_batches: Sequence[Any], step: int) -> list[LossValue]:
+    def forward_backward(self, micro_batches: Sequence[Any]) -> list[LossValue]:
         """Forward and backward over one step's micro-batches, fed as the strategy's accumulation declares.
 
         The one place the declaration is read: a schedule (pipeline) takes
@@ -226,12 +226,9 @@ class TrainLoop:
         the last micro-step; an engine scales by its own count and its
         boundary must agree with the trainer's. A ``(loss_sum, num_items)``
         pair is backpropagated the same way (its sum), and scaled once after
-        the last micro-step (:meth:`train_step`). Micro-batches fed one at a
-        time are announced to plugins (``unison_on_micro_step_start`` and
-        ``unison_on_micro_step_end``, inside ``no_sync()`` when it is entered).
+        the last micro-step (:meth:`train_step`).
         """
         trainer = self.trainer
-        hook = trainer.pm
         accumulation = trainer.ownership.grad_accumulation
         strategy, precision = trainer.strategy, trainer.precision
         assert precision is not None
@@ -249,31 +246,26 @@ class TrainLoop:
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
             # Trainer-owned, boundary sync: skip gradient sync until the last micro-step.
-            syncs = not (defer and not last)
-            sync = contextlib.nullcontext() if syncs else strategy.no_sync()  # type: ignore[attr-defined]
+            sync = strategy.no_sync() if defer and not last else contextlib.nullcontext()  # type: ignore[attr-defined]
             with sync:
-                hook.unison_on_micro_step_start(trainer=trainer, step=step, micro_step=i, sync=syncs)
                 with precision.forward_context():
                     value = self.loss(batch)
                 loss = value.loss
                 # For a stall report (assignments only): which micro-step, and whether this backward syncs.
                 RECORDER.micro_step()
-                if syncs:
+                if not (defer and not last):
                     RECORDER.enter("backward (gradient sync)", None)
-                boundary = last
                 if accumulation.owner is AccumulationOwner.TRAINER:
                     # The one place the loss is divided for accumulation.
                     strategy.backward(precision.scale_loss(loss / n))
                 else:
                     # Engine-owned: the engine scales by its own count.
                     strategy.backward(precision.scale_loss(loss))
-                    boundary = bool(strategy.is_accumulation_boundary())  # type: ignore[attr-defined]
-                hook.unison_on_micro_step_end(trainer=trainer, step=step, micro_step=i, boundary=boundary)
-                if boundary != last:
-                    raise RuntimeError(
-                        f"strategy {strategy.name!r} owns accumulation but its boundary disagrees with the "
-                        f"trainer's at micro-step {i + 1}/{n}: check its accumulation settings"
-                    )
+                    if strategy.is_accumulation_boundary() != last:  # type: ignore[attr-defined]
+                        raise RuntimeError(
+                            f"strategy {strategy.name!r} owns accumulation but its boundary disagrees with the "
+                            f"trainer's at micro-step {i + 1}/{n}: check its accumulation settings"
+                        )
             values.append(value)
         return self._checked(values)
 
