@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from unison.checkpointing.admission import Admission
-from unison.checkpointing.failures import describe_failure, disk_full
+from unison.checkpointing.failures import describe_failure, disk_full, interrupted
 from unison.checkpointing.lease import Lease
 from unison.checkpointing.manifest import (
     MANIFEST,
@@ -229,6 +229,8 @@ class Checkpointer:
         except (KeyboardInterrupt, SystemExit):
             raise  # an interrupt or a stop: the next start cleans the partial directory
         except BaseException as exc:  # torch's DCP CheckpointException is a BaseException
+            if interrupted(exc):  # Ctrl-C inside a writer, reported by it as its own error: an interrupt
+                raise KeyboardInterrupt from None
             failure = exc
         # Every rank's outcome (this doubles as the barrier: every rank's files are on disk).
         failed = [f for f in all_gather(None if failure is None else describe_failure(failure)) if f is not None]

@@ -15,6 +15,33 @@ def describe_failure(exc: BaseException) -> str:
     return f"rank {rank()}: {type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is the fallout of a ``KeyboardInterrupt`` or ``SystemExit`` raised inside a writer.
+
+    Ctrl-C landing inside ``torch.save`` surfaces as the zip writer's ``unexpected pos`` RuntimeError (raised
+    while the interrupt unwinds it), which ``torch.distributed.checkpoint`` then wraps in a
+    ``CheckpointException`` holding each rank's exception: the interrupt is in the chain of causes and
+    contexts, or in the wrapped per-rank exceptions.
+    """
+    pending: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, (KeyboardInterrupt, SystemExit)):
+            return True
+        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+        failures = getattr(current, "failures", None)  # CheckpointException: {rank: (exception, traceback)}
+        if isinstance(failures, dict):
+            for wrapped in failures.values():
+                first = wrapped[0] if isinstance(wrapped, tuple) and wrapped else wrapped
+                if isinstance(first, BaseException):
+                    pending.append(first)
+    return False
+
+
 def disk_full(root: Path, error: BaseException | None) -> int | None:
     """Free bytes on ``root``'s file system when ``error`` means it is full (ENOSPC, or nearly no space left).
 
