@@ -21,7 +21,6 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib
-import importlib.metadata
 import importlib.util
 import sys
 from collections.abc import Callable
@@ -30,13 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from unison.errors import ConfigurationError
+from unison.plugin.entry_points import ENTRY_POINT_GROUP
+from unison.plugin.entry_points import entry_points as installed_entry_points
 
 _FORMS = "write 'file.py:function' (a file under the config's directory) or 'module:function'"
 
 
 def entry_point_modules() -> tuple[str, ...]:
     """The modules installed ``unison`` entry points name (built-in and third-party plugins)."""
-    return tuple(sorted({ep.module for ep in importlib.metadata.entry_points(group="unison")}))
+    return tuple(sorted({ep.module for ep in installed_entry_points(ENTRY_POINT_GROUP)}))
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ import importlib.metadata
 import os
 import sys
 
+#: The entry-point group plugins register under (``[project.entry-points.unison]``).
+ENTRY_POINT_GROUP = "unison"
+
 _CACHE: dict[str, tuple[tuple[tuple[str, int], ...], tuple[importlib.metadata.EntryPoint, ...]]] = {}
 
 

@@ -60,6 +60,7 @@ import pluggy
 
 from unison.errors import PluginError
 from unison.plugin import PROJECT_NAME, hookspecs
+from unison.plugin.entry_points import ENTRY_POINT_GROUP
 from unison.plugin.entry_points import entry_points as installed_entry_points
 from unison.plugin.registry import PrecisionRegistry, StrategyRegistry
 from unison.plugin.rng_guard import CHECK_RNG_ENV
@@ -73,7 +74,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from unison.contract.outputs import StepOutput
     from unison.contract.spec import StorageFactory
 
-ENTRY_POINT_GROUP = "unison"
 DISABLE_AUTOLOAD_ENV = "UNISON_DISABLE_PLUGIN_AUTOLOAD"
 PLUGINS_ENV = "UNISON_PLUGINS"
 BLOCK_ENV = "UNISON_BLOCK_PLUGINS"
