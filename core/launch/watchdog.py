@@ -27,8 +27,10 @@ default), and the error names no rank. With it:
 
 A rank that finishes (or fails) marks its heartbeat so, and is never blamed.
 
-The module is a little past 400 lines: the stall rules above, the heartbeat thread and what a stall
-does are one mechanism, and the stall detection itself (:class:`StallDetector`) is pure and tested alone.
+The module is past 400 lines (about 550): the stall rules above, the heartbeat thread, where a frozen
+rank froze and what a stall does are one mechanism, and the stall detection itself
+(:class:`StallDetector`) is pure and tested alone. The report's wording (``_describe``,
+``_positions``, ``_store_stalled``) could stand in a module of its own.
 """
 
 from __future__ import annotations
