@@ -28,6 +28,8 @@ perturb every rank but 0 on purpose):
   numbers, so mixed precision visibly changes training (the precision scenario).
 * ``blocks``: an ``nn.Sequential`` of a ``Linear``, two blocks of ``Linear``/``Tanh`` pairs, and a
   ``Linear`` (the activation checkpointing scenario: blocks whose forward is recomputed).
+* ``dropout_blocks``: ``blocks`` with a ``Dropout(0.1)`` in each block (the activation checkpointing RNG
+  scenario: a recompute that does not restore the RNG state draws other masks).
 * ``block``: a transformer block (causal self-attention + MLP, pre-norm, residuals)
   over the features cut into tokens, an ``nn.Sequential`` (embed, block, head:
   pipelines cut it), so every family runs it. It declares no tensor-parallel
@@ -212,6 +214,22 @@ def _blocks() -> torch.nn.Sequential:
     return torch.nn.Sequential(torch.nn.Linear(IN_FEATURES, HIDDEN), block(), block(), torch.nn.Linear(HIDDEN, 1))
 
 
+def _dropout_blocks() -> torch.nn.Sequential:
+    """The ``blocks`` model with a ``Dropout(0.1)`` inside each block: a recomputed forward draws its masks
+    again, so only a recompute that restores the RNG state reproduces the forward that ran."""
+
+    def block() -> torch.nn.Sequential:
+        return torch.nn.Sequential(
+            torch.nn.Linear(HIDDEN, HIDDEN),
+            torch.nn.Tanh(),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(HIDDEN, HIDDEN),
+            torch.nn.Tanh(),
+        )
+
+    return torch.nn.Sequential(torch.nn.Linear(IN_FEATURES, HIDDEN), block(), block(), torch.nn.Linear(HIDDEN, 1))
+
+
 #: The ``block`` model's sequence: each sample's :data:`IN_FEATURES` features read as ``TOKENS`` tokens.
 TOKENS = 4
 #: The block's width and its attention heads (head size 4; tensor parallel at 2 keeps one head per rank).
@@ -309,6 +327,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "groups": _mlp,
     "offset": _offset,
     "blocks": _blocks,
+    "dropout_blocks": _dropout_blocks,
     "block": _block,
     "dropout": _dropout,
     "token_lm": workloads.TokenLM,

@@ -255,6 +255,20 @@ SCENARIOS: tuple[Scenario, ...] = (
         runs=_feature_runs("activation_checkpointing", "full"),
     ),
     Scenario(
+        "activation_checkpointing_rng",
+        'a Dropout model trained by the strategy with activation_checkpointing="full" and without, accumulation '
+        "2: equal (the recomputed forward restores the RNG state, so it draws the masks the forward drew); "
+        "compared with the strategy's own run, since dropout masks depend on the world size",
+        model="dropout_blocks",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        runs=(
+            Run("off", "reference"),
+            Run("off", "strategy"),
+            Run("on", "strategy", overrides=(("activation_checkpointing", "full"),), same_as=("off",)),
+        ),
+    ),
+    Scenario(
         "resume",
         "save at step 3, resume to step 6: equals the uninterrupted run, buffers included (frozen layer, "
         "changing BatchNorm buffers, warmup)",
