@@ -95,6 +95,10 @@ class Certificate:
     world_sizes: list[int] = field(default_factory=list)
     #: ``{scenario: measured deviation / tolerance}`` of every proven scenario with numbers compared.
     deviation_ratios: dict[str, float] = field(default_factory=dict)
+    #: ``{precision: [dtype, ...]}``: what the strategy's gradient reductions (more than one element, in the
+    #: forward/backward windows) carried under each precision its scenarios ran, from the process group's
+    #: own record of each collective (:mod:`unison.conformance.checks.reported`).
+    gradient_reductions: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def partial(self) -> bool:
@@ -122,6 +126,7 @@ class Certificate:
             "scenarios_total": self.scenarios_total,
             "world_sizes": self.world_sizes,
             "deviation_ratios": self.deviation_ratios,
+            "gradient_reductions": self.gradient_reductions,
             "summary": self.summary,
             "proven": self.proven,
             "declared_out": [{"scenario": s, "reason": r} for s, r in self.declared_out],
@@ -170,6 +175,21 @@ def proven_world_sizes(result: StrategyResult, verdicts: dict[str, Verdict], wor
     return sorted(sizes)
 
 
+def gradient_reductions(result: StrategyResult) -> dict[str, list[str]]:
+    """The dtypes the strategy's gradient reductions carried, per precision of the scenarios it ran."""
+    from unison.conformance.checks.reported import reduction_dtypes
+
+    out: dict[str, set[str]] = {}
+    for name, runs in result.traces.items():
+        scenario = SCENARIOS_BY_NAME.get(name)
+        if scenario is None:
+            continue
+        for trace in runs.values():
+            if trace.get("status") == "ok":
+                out.setdefault(scenario.precision, set()).update(reduction_dtypes(trace))
+    return {p: sorted(d) for p, d in sorted(out.items()) if d}
+
+
 def build_certificate(result: StrategyResult, verdicts: dict[str, Verdict], world_size: int) -> Certificate:
     proven = [n for n, v in verdicts.items() if v.status == PASS]
     out = [(n, v.reason or "") for n, v in verdicts.items() if v.status == DECLARED_OUT]
@@ -191,6 +211,7 @@ def build_certificate(result: StrategyResult, verdicts: dict[str, Verdict], worl
         world_sizes=proven_world_sizes(result, verdicts, world_size),
         inconclusive=[(n, v.reason or "") for n, v in verdicts.items() if v.status == INCONCLUSIVE],
         deviation_ratios={n: r for n, v in verdicts.items() if (r := v.deviation_ratio) is not None},
+        gradient_reductions=gradient_reductions(result),
     )
     if result.status == "skipped":
         cert.skipped = result.reason

@@ -58,6 +58,11 @@ from unison.conformance.checks.declared import judge_declarations, judge_refusal
 from unison.conformance.checks.numeric import Checker, finish, run_label
 from unison.conformance.checks.premises import check_premises
 from unison.conformance.checks.ranks import check_rank_consistency
+from unison.conformance.checks.reported import (
+    check_optimizer_roundtrip,
+    check_param_groups,
+    check_reduction_dtypes,
+)
 from unison.conformance.checks.sync import check_accumulation, check_same_sync
 from unison.conformance.feature_probes import check_feature_probe
 from unison.conformance.models import build_model
@@ -266,6 +271,10 @@ def _judge_run(
     if run.backend == "strategy":
         sensitivity.check_probes(c, scenario, label, t)
         check_feature_probe(c, scenario, label, t, ref_runs.get(run.twin) if run.twin else None)
+        twin = ref_runs.get(run.twin or run.truth or "") or next(iter(ref_runs.values()), None)
+        check_param_groups(c, label, t, twin)
+        check_reduction_dtypes(c, scenario.precision, label, t)
+        check_optimizer_roundtrip(c, run, label, t, strat.get(run.resume_from or ""))
     # Gradient syncs are expected only among data-parallel replicas (fsdp_tp at world 2 has one: dp=1 x tp=2).
     check_accumulation(c, scenario, label, t, t.get("data_parallel_size", t.get("world_size", 1)) > 1)
     if run.twin is not None:

@@ -118,7 +118,7 @@ def execute_run(
         trainer = unison.Trainer(strategy=strategy, plugin_manager=pm, callbacks=[recorder], **loggers, **settings)
         boundaries: list[bool] = []
         instrument(trainer.strategy, boundaries)
-        optimizers: list[torch.optim.Optimizer] = []
+        optimizers: list[torch.optim.Optimizer] = recorder.optimizers
         schedulers: list[Any] = []
 
         def make_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -177,6 +177,11 @@ def execute_run(
             boundaries=boundaries,
             accumulation_owner=trainer.ownership.grad_accumulation.owner.value,
             accumulation_sync=trainer.ownership.grad_accumulation.sync.value,
+            precision_owner=trainer.ownership.precision_support(scenario.precision).owner.value,
+            mesh=trainer.ownership.mesh is not None,
+            param_groups=recorder.param_groups,
+            saved_optimizer_state=recorder.saved_optimizer_state,
+            loaded_optimizer_state=recorder.loaded_optimizer_state,
             world_size=torch.distributed.get_world_size() if dist_on else 1,
             # Replicas that synchronise gradients (a tensor-parallel or pipeline world has fewer than ranks).
             data_parallel_size=trainer.strategy.data_parallel_size(torch.distributed.get_world_size())

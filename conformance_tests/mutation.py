@@ -10,9 +10,12 @@ strategy whose scenarios are only *inconclusive* (the effect they exist to see i
 below 10x the tolerance) is not caught: nothing proved it wrong. A control with an
 inconclusive scenario is not certified, so it fails as a control. Exit
 status 1 when any of them was not caught, or when a control (a correct
-strategy among them) was not certified on the scenarios that ran::
+strategy among them) was not certified on the scenarios that ran. With
+``--rules name:rule,...`` it also checks each diagnosis: a broken strategy is
+*named right* when one of its failed scenarios is diagnosed with that rule, and
+the line says ``diagnoses N of N right``; a wrong one fails the score too::
 
-    python -m unison.conformance.mutation runs/conformance-broken --broken a,b,c --control d
+    python -m unison.conformance.mutation runs/conformance-broken --broken a,b,c --control d --rules a:summed
 """
 
 from __future__ import annotations
@@ -33,6 +36,12 @@ class MutationScore:
     controls_failed: list[str]
     #: Broken strategies not caught whose certificate was withheld only by inconclusive scenarios.
     inconclusive: list[str] = field(default_factory=list)
+    #: ``{name: (expected rule, the rules its failed scenarios were diagnosed with)}`` for ``--rules``.
+    diagnoses: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
+
+    @property
+    def misnamed(self) -> list[str]:
+        return [n for n, (want, got) in self.diagnoses.items() if want not in got]
 
     @property
     def total(self) -> int:
@@ -58,15 +67,23 @@ class MutationScore:
             text += f"; not caught, only inconclusive: {', '.join(self.inconclusive)}"
         if self.controls_failed:
             text += f"; correct control not certified: {', '.join(self.controls_failed)}"
+        if self.diagnoses:
+            text += f"; diagnoses {len(self.diagnoses) - len(self.misnamed)} of {len(self.diagnoses)} right"
+            for n in self.misnamed:
+                want, got = self.diagnoses[n]
+                text += f"; {n} diagnosed {', '.join(sorted(set(got))) or 'nothing'}, not {want}"
         return text
 
     @property
     def ok(self) -> bool:
-        return not self.missed and not self.controls_failed
+        return not self.missed and not self.controls_failed and not self.misnamed
 
 
-def score(report: dict[str, Any], broken: Sequence[str], controls: Sequence[str] = ()) -> MutationScore:
-    """The mutation score of ``report`` (the ``report.json`` dict) over ``broken`` strategies."""
+def score(
+    report: dict[str, Any], broken: Sequence[str], controls: Sequence[str] = (), rules: dict[str, str] | None = None
+) -> MutationScore:
+    """The mutation score of ``report`` (the ``report.json`` dict) over ``broken`` strategies; ``rules``: the
+    diagnosis rule each must be named with."""
     certs = {c["strategy"]: c for c in report["certificates"]}
     verdicts = {s["name"]: s["verdicts"] for s in report["strategies"]}
     caught: dict[str, float] = {}
@@ -86,7 +103,18 @@ def score(report: dict[str, Any], broken: Sequence[str], controls: Sequence[str]
         ]
         caught[name] = max(margins)
     controls_failed = [n for n in controls if n not in certs or not certs[n].get("passed", certs[n]["certified"])]
-    return MutationScore(caught, missed, controls_failed, inconclusive)
+    diagnoses = {
+        name: (
+            rule,
+            [
+                v["diagnosis"]["rule"]
+                for v in verdicts.get(name, {}).values()
+                if v["status"] == "fail" and v.get("diagnosis")
+            ],
+        )
+        for name, rule in (rules or {}).items()
+    }
+    return MutationScore(caught, missed, controls_failed, inconclusive, diagnoses)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -94,9 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("report_dir", help="directory holding report.json")
     parser.add_argument("--broken", required=True, help="comma-separated strategies that must not be certified")
     parser.add_argument("--control", default="", help="comma-separated correct strategies that must pass")
+    parser.add_argument("--rules", default="", help="comma-separated name:rule, the diagnosis each must be named")
     args = parser.parse_args(argv)
     report = json.loads((Path(args.report_dir) / "report.json").read_text())
-    result = score(report, [n for n in args.broken.split(",") if n], [n for n in args.control.split(",") if n])
+    rules = dict(item.split(":", 1) for item in args.rules.split(",") if item)
+    result = score(report, [n for n in args.broken.split(",") if n], [n for n in args.control.split(",") if n], rules)
     print(result.line())
     return 0 if result.ok else 1
 

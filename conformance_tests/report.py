@@ -118,6 +118,9 @@ class SuiteReport:
             style = ("bold yellow" if cert.partial else "bold green") if cert.certified else "bold red"
             label = cert.label.upper() if not (cert.certified and cert.partial) else "PARTIAL" + cert.label[7:]
             console.print(f"[{style}]{escape(cert.strategy)}: {label}[/{style}] – {escape(cert.summary)}")
+            if cert.gradient_reductions:
+                shown = "; ".join(f"{p}: {', '.join(d)}" for p, d in cert.gradient_reductions.items())
+                console.print(f"  gradient reductions carried {escape(shown)}", highlight=False)
         table = Table(title=f"unison conformance (world size {self.world_size}; reference: {REFERENCE})")
         table.add_column("scenario", style="bold", no_wrap=True)
         for r in self.results:

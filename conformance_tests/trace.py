@@ -39,6 +39,18 @@ Every run produces a *trace* (a plain dict, JSON-able but for ``state``):
     synchronise gradients through ``c10d`` directly). A strategy that
     synchronised parameter gradients through DTensor redistribution would
     escape this count; its numbers are still compared.
+    With ``record_shapes``, each collective's payload (dtype, elements) is read
+    from the backend's own record (``gloo:all_reduce``): ``reduction_dtypes``
+    counts the dtypes of reductions of more than one element inside the
+    forward/backward windows (gradients, not a loss or a norm), and
+    ``reductions_in_clip`` those inside the strategy's ``clip_grad_norm``.
+``param_groups``
+    the hyperparameters of each parameter group of ``strategy.optimizer`` at
+    the run's first step (after a resume loaded its state), ``lr`` apart.
+``saved_optimizer_state`` / ``loaded_optimizer_state``
+    a summary of the user's optimizer's state (:func:`optimizer_state_summary`)
+    at every checkpoint written, and at the run's first step: a resume must
+    give back what was written.
 ``boundaries``
     for engine-owned accumulation, what ``is_accumulation_boundary()``
     answered at every micro-step.
@@ -73,6 +85,25 @@ NO_SYNC_MARK = "unison.conformance::no_sync"
 
 
 MICRO_MARK = "unison.conformance::backward"
+
+
+CLIP_MARK = "unison.conformance::clip_grad_norm"
+
+
+#: Prefixes of the backend's own record of one collective's work, which carries the payload's dtype and shape
+#: (``gloo:all_reduce``); the ``c10d::`` op above it often does not (its input is a tensor list).
+PAYLOAD_PREFIXES = ("gloo:", "nccl:")
+
+
+#: The profiler's dtype names -> torch's.
+_DTYPE_NAMES = {
+    "float": "float32",
+    "double": "float64",
+    "c10::BFloat16": "bfloat16",
+    "c10::Half": "float16",
+    "long int": "int64",
+    "int": "int32",
+}
 
 
 #: The namespace of DTensor's functional collectives (``torch.distributed._functional_collectives``).
@@ -134,6 +165,15 @@ class TraceRecorder:
         self.updates_outside_window = 0
         #: ``{"step", "loss"}`` of every validation (``val/loss``).
         self.validations: list[dict[str, Any]] = []
+        #: The hyperparameters of every parameter group of the optimizer the strategy steps, at the run's
+        #: first step (after a resume loaded its state), ``lr`` apart (compared at every step).
+        self.param_groups: list[dict[str, Any]] | None = None
+        #: The optimizers the user's factory built (set by the run; the last one is the one trained).
+        self.optimizers: list[Any] = []
+        #: ``{step: summary}`` of the optimizer's state at every checkpoint written, and its state at the
+        #: run's first step (a resumed run: what the checkpoint restored); :func:`optimizer_state_summary`.
+        self.saved_optimizer_state: dict[int, dict[str, Any]] = {}
+        self.loaded_optimizer_state: dict[str, Any] | None = None
 
     def count_update(self) -> None:
         if self.in_update and self.current_step is not None:
@@ -155,6 +195,8 @@ class TraceRecorder:
                 "optimizer_steps": trainer.progress.optimizer_steps,
                 "scheduler_steps": trainer.progress.scheduler_steps,
             }
+            self.param_groups = group_hyperparameters(getattr(trainer.strategy, "optimizer", None))
+            self.loaded_optimizer_state = optimizer_state_summary(self.optimizers[-1] if self.optimizers else None)
         self.close_mark()
         self._mark = torch.autograd.profiler.record_function(STEP_MARK)
         self._mark.__enter__()
@@ -175,6 +217,9 @@ class TraceRecorder:
 
     @unison.hookimpl
     def unison_on_save_checkpoint(self, trainer: Any) -> None:
+        summary = optimizer_state_summary(self.optimizers[-1] if self.optimizers else None)
+        if summary is not None:
+            self.saved_optimizer_state[trainer.progress.global_step] = summary
         # Collective (every rank writes the checkpoint): the canonical state,
         # as a user exporting it at that moment would get it.
         if self.buffer_names:
@@ -201,6 +246,65 @@ class TraceRecorder:
         )
 
 
+#: Parameter-group keys that are implementation choices (how the update is computed), not hyperparameters.
+_IMPLEMENTATION_KEYS = frozenset(
+    {"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay"}
+)
+
+
+def group_hyperparameters(optimizer: Any) -> list[dict[str, Any]] | None:
+    """Each parameter group's hyperparameters (numbers, flags and tuples of numbers), ``lr`` and
+    implementation flags apart; ``None`` without an optimizer."""
+    groups = getattr(optimizer, "param_groups", None)
+    if groups is None:
+        return None
+    out = []
+    for group in groups:
+        kept: dict[str, Any] = {}
+        for key, value in group.items():
+            if key in _IMPLEMENTATION_KEYS:
+                continue
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, (bool, int, float)) or (
+                isinstance(value, tuple) and all(isinstance(x, (int, float)) for x in value)
+            ):
+                kept[key] = list(value) if isinstance(value, tuple) else value
+        out.append(kept)
+    return out
+
+
+def optimizer_state_summary(optimizer: Any) -> dict[str, Any] | None:
+    """Per state entry (``exp_avg``, ``step``...) of this rank's optimizer: its dtypes, how many tensors, the
+    float64 sum of their absolute values, and the distinct values of one-element entries (step counters).
+
+    Taken when a checkpoint is written and at a resumed run's first step, it shows whether the checkpoint
+    gave back every entry, in its dtype and to the bit (a sum of 1e5 values changes with any rounding).
+    """
+    state = getattr(optimizer, "state", None)
+    if state is None:
+        return None
+    entries: dict[str, dict[str, Any]] = {}
+    for per_param in state.values():
+        for key, value in per_param.items():
+            entry = entries.setdefault(str(key), {"dtypes": set(), "count": 0, "total": 0.0, "scalars": set()})
+            entry["count"] += 1
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                entry["dtypes"].add(str(local.dtype).removeprefix("torch."))
+                entry["total"] += float(local.detach().double().abs().sum())
+                if local.numel() == 1:
+                    entry["scalars"].add(float(local))
+            elif isinstance(value, (bool, int, float)):
+                entry["dtypes"].add(type(value).__name__)
+                entry["total"] += abs(float(value))
+                entry["scalars"].add(float(value))
+    return {
+        k: {"dtypes": sorted(e["dtypes"]), "count": e["count"], "total": e["total"], "scalars": sorted(e["scalars"])}
+        for k, e in sorted(entries.items())
+    }
+
+
 def redispatched(event: Any) -> bool:
     """Whether ``event`` is an op's second record: the op re-dispatched by a Python dispatch mode.
 
@@ -218,12 +322,27 @@ def redispatched(event: Any) -> bool:
     return False
 
 
+def payload(event: Any) -> tuple[str, int] | None:
+    """``(dtype, elements)`` of a backend's collective record (``gloo:all_reduce``), or ``None``."""
+    dtypes = getattr(event, "input_dtypes", None) or []
+    shapes = getattr(event, "input_shapes", None) or []
+    if not dtypes or not shapes or not isinstance(shapes[0], list):
+        return None
+    numel = 1
+    for n in shapes[0]:
+        numel *= int(n)
+    return _DTYPE_NAMES.get(dtypes[0], dtypes[0]), numel
+
+
 def analyse_collectives(events: Any) -> dict[str, Any]:
     windows: list[tuple[float, float]] = []
     no_sync: list[tuple[float, float]] = []
+    clips: list[tuple[float, float]] = []
     backward_ends: list[float] = []
     calls: list[tuple[float, str]] = []
     functional: list[tuple[float, float]] = []
+    #: Reductions of more than one element (gradients, not a loss or a norm): (start, dtype).
+    reductions: list[tuple[float, str]] = []
     for e in events:
         name = e.name
         if name.startswith(FUNCTIONAL_PREFIX) and not name.endswith("wait_tensor"):
@@ -232,11 +351,17 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
             windows.append((e.time_range.start, e.time_range.end))
         elif name == NO_SYNC_MARK:
             no_sync.append((e.time_range.start, e.time_range.end))
+        elif name == CLIP_MARK:
+            clips.append((e.time_range.start, e.time_range.end))
         elif name == MICRO_MARK:
             backward_ends.append(e.time_range.end)
         elif name.startswith("c10d::") and not redispatched(e):
             op = name[len("c10d::") :]
             calls.append((e.time_range.start, COLLECTIVE_KINDS.get(op, f"other:{op}")))
+        elif name.startswith(PAYLOAD_PREFIXES) and "reduce" in name:
+            found = payload(e)
+            if found is not None and found[1] > 1:
+                reductions.append((e.time_range.start, found[0]))
     windows.sort()
 
     def inside(t: float, spans: list[tuple[float, float]]) -> bool:
@@ -266,6 +391,10 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
         per_micro_step.append(micro)
     grad_in_no_sync = sum(1 for t, kind in calls if kind in GRADIENT_SYNC_KINDS and inside(t, no_sync))
     return {
+        # The dtypes that reductions of more than one element carried in the forward/backward windows.
+        "reduction_dtypes": dict(Counter(dtype for t, dtype in reductions if inside(t, windows))),
+        # Reductions of more than one element inside the strategy's clip_grad_norm (a norm is one element).
+        "reductions_in_clip": sum(1 for t, _ in reductions if inside(t, clips)),
         "total": dict(total),
         "per_step": per_step,
         "gradient_sync_per_step": [sum(s.get(k, 0) for k in GRADIENT_SYNC_KINDS) for s in per_step],
@@ -287,13 +416,15 @@ def profile_collectives(enabled: bool) -> Iterator[list[Any]]:
     # on stderr; a suite profiles every run on every rank. Read when the
     # profiler starts, so setting it here is enough; a user's setting wins.
     os.environ.setdefault("KINETO_LOG_LEVEL", "99")
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=False, with_stack=False) as prof:
+    # record_shapes: the dtype and size of each collective's payload (``reduction_dtypes``).
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=False) as prof:
         yield out
     out.append(prof)
 
 
 def instrument(strategy: Any, boundaries: list[bool]) -> None:
-    """Observe ``no_sync``, ``backward`` and ``is_accumulation_boundary`` on this strategy instance.
+    """Observe ``no_sync``, ``backward``, ``clip_grad_norm`` and ``is_accumulation_boundary`` on this strategy
+    instance.
 
     Instance attributes shadow the methods: the strategy's behaviour is
     unchanged, the suite only marks the time spans and records the answers.
@@ -305,6 +436,13 @@ def instrument(strategy: Any, boundaries: list[bool]) -> None:
             original_backward(loss)
 
     strategy.backward = backward
+    original_clip = strategy.clip_grad_norm
+
+    def clip_grad_norm(max_norm: Any) -> Any:
+        with torch.autograd.profiler.record_function(CLIP_MARK):
+            return original_clip(max_norm)
+
+    strategy.clip_grad_norm = clip_grad_norm
     original_no_sync = getattr(strategy, "no_sync", None)
     if original_no_sync is not None:
 

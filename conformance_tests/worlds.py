@@ -233,6 +233,9 @@ def merge_ranks(results: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str
         "error",
         "precision_probe",
         "feature_probe",
+        "param_groups",
+        "saved_optimizer_state",
+        "loaded_optimizer_state",
     )
     merged = results[0]
     for scenario, runs in merged.items():

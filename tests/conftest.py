@@ -34,6 +34,7 @@ FULL_TIER = {
     "test_lifecycle_stress.py": "repeats whole 2-rank runs to catch rare failures",
     "test_conformance_broken.py": "the mutation suites: every deliberately broken strategy through the suite",
     "test_conformance_rules.py": "the mutation suites (diagnosis rules)",
+    "test_conformance_diagnoses.py": "the mutation suites (diagnoses decided by direct evidence)",
     "test_conformance_optim.py": "the mutation suites (optimizer state on resume)",
     "test_conformance_workloads.py": "the mutation suites (token losses, default plugins, resume in new processes)",
     "test_conformance_precision.py": "the mutation suites (precision applied)",

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from unison.conformance.diagnosis import declared, resume, scale, update
+from unison.conformance.diagnosis import declared, reported, resume, scale, update
 from unison.conformance.diagnosis.evidence import Evidence
 from unison.conformance.diagnosis.table import RULES, diagnose
 from unison.conformance.models import build_model
@@ -365,3 +366,145 @@ def test_the_package_exports_the_objects_not_modules_of_the_same_name() -> None:
 def test_ratio_pattern_reads_a_fixed_divisor_from_one_world_of_3_or_more(ratio, world, rule):
     found = scale.ratio_pattern(ratio, world, accumulation=1)
     assert (found[0] if found else None) == rule, found
+
+
+# -- evidence of what the strategy built, sent and reported (diagnosis.reported) -------------------------- #
+
+
+def test_reduction_dtype_and_param_groups_name_their_own_divergences() -> None:
+    low = div("reduction", quantity="gradient reduction dtype", got="bfloat16 x4", note="under bf16-mixed ...")
+    assert rule_of(reported.reduction_dtype(evidence("bf16_mixed", [low, div("loss")]))) == "reduction_dtype"
+    assert reported.reduction_dtype(evidence("bf16_mixed", [div("loss")])) is None
+    groups = div("groups", quantity="parameter groups on rank 0", expected=[{"weight_decay": 0.1}], got=[{}])
+    assert rule_of(reported.param_groups(evidence("lr_scheduler", [groups, div("counts")]))) == "param_groups"
+    assert reported.param_groups(evidence("lr_scheduler", [div("counts")])) is None
+
+
+def test_state_dict_keys_names_a_wrapper_prefix() -> None:
+    keys = div("state", quantity="state_dict keys", step=None, expected="missing ['0.bias', '0.weight']")
+    keys.got = "extra ['module.0.bias', 'module.0.weight']"
+    found = reported.state_dict_keys(evidence("plain", [keys]))
+    assert rule_of(found) == "state_dict_keys" and "'module.'" in found[2]
+    renamed = div("state", quantity="state_dict keys", step=None, expected="missing ['0.bias']", got="extra ['x']")
+    assert "prefix" not in reported.state_dict_keys(evidence("plain", [renamed]))[2]
+    # Near miss: values differ under the same names.
+    assert reported.state_dict_keys(evidence("plain", [div("state", quantity="state['0.weight']")])) is None
+
+
+def _ok(state: dict[str, Any], **kw: Any) -> dict[str, Any]:
+    return {"status": "ok", "steps": steps(), "world_size": 2, "state": state, **kw}
+
+
+def test_frozen_updated_compares_with_the_initial_frozen_weights() -> None:
+    initial = build_model(SCENARIOS_BY_NAME["frozen"].model).state_dict()
+    moved = {k: v + 0.01 if k.startswith("0.") else v for k, v in initial.items()}
+    found = reported.frozen_updated(evidence("frozen", [div("loss")], {"main": _ok(moved)}, {"main": _ok(initial)}))
+    assert rule_of(found) == "frozen_updated" and "0.weight" in found[2]
+    # Near miss: the frozen layer kept its values (something else differs).
+    kept = {k: v + 0.01 if k.startswith("2.") else v for k, v in initial.items()}
+    assert (
+        reported.frozen_updated(evidence("frozen", [div("loss")], {"main": _ok(kept)}, {"main": _ok(initial)})) is None
+    )
+
+
+def test_buffers_twice_reads_the_counter() -> None:
+    ref = build_model(SCENARIOS_BY_NAME["buffers"].model).state_dict()
+    start = int(ref["1.num_batches_tracked"])
+    ref["1.num_batches_tracked"] = torch.tensor(start + 12)
+    doubled = {**ref, "1.num_batches_tracked": torch.tensor(start + 24)}
+    e = evidence("buffers", [div("buffer", quantity="buffer")], {"main": _ok(doubled)}, {"main": _ok(ref)})
+    found = reported.buffers_twice(e)
+    assert rule_of(found) == "buffers_twice" and "2x" in found[2]
+    # Near misses: a counter never updated (0, a multiple of nothing), counts equal.
+    stale = {**ref, "1.num_batches_tracked": torch.tensor(start)}
+    e = evidence("buffers", [div("buffer", quantity="buffer")], {"main": _ok(stale)}, {"main": _ok(ref)})
+    assert reported.buffers_twice(e) is None
+    e = evidence("buffers", [div("buffer", quantity="buffer")], {"main": _ok(ref)}, {"main": _ok(ref)})
+    assert reported.buffers_twice(e) is None
+
+
+def test_clip_before_sync_needs_reductions_only_inside_clipping() -> None:
+    inside = {"reductions_in_clip": 2, "gradient_sync_per_step": [0, 0]}
+    e = evidence("clipping", [div("sync")], {"main": _ok({}, collectives=inside)})
+    assert rule_of(reported.clip_before_sync(e)) == "clip_before_sync"
+    both = {"reductions_in_clip": 2, "gradient_sync_per_step": [1, 1]}
+    assert reported.clip_before_sync(evidence("clipping", [div("sync")], {"main": _ok({}, collectives=both)})) is None
+
+
+def test_reported_grad_norm_is_the_clip_value_with_the_update_right() -> None:
+    clip = SCENARIOS_BY_NAME["clipping"].grad_clip_norm
+    assert clip == 2.0
+    capped = div("grad_norm", quantity="grad norm", got=float(clip), expected=2.63)
+    assert rule_of(reported.reported_grad_norm(evidence("clipping", [capped]))) == "reported_grad_norm"
+    # Near miss: the losses differ too (the update is wrong, not only the report).
+    assert reported.reported_grad_norm(evidence("clipping", [capped, div("loss", step=2)])) is None
+    below = div("grad_norm", quantity="grad norm", got=float(clip), expected=1.5)
+    assert reported.reported_grad_norm(evidence("clipping", [below])) is None
+
+
+def test_sync_off_boundary_names_the_micro_step() -> None:
+    early = div("sync", quantity="gradient collectives inside no_sync() on rank 0", got=1, expected=0)
+    found = update.sync_off_boundary(evidence("accumulation", [div("rank"), early]))
+    assert rule_of(found) == "gradient_sync" and "before the last micro-step" in found[2]
+    never = div("sync", quantity="gradient collectives on rank 0", got=0, expected=">= 1")
+    assert update.sync_off_boundary(evidence("accumulation", [div("rank"), never])) is None
+
+
+def test_undeclared_refusal_of_a_resume() -> None:
+    error = "Traceback ...\nNotImplementedError: resuming from a checkpoint is not implemented"
+    traces = {"resumed": {"status": "error", "error": error, "world_size": 2}}
+    e = evidence("resume", [div("run", run="strategy:resumed", quantity="run", step=None)], traces)
+    e.result.ownership = {"refuses": {}}
+    assert rule_of(declared.undeclared_refusal(e)) == "undeclared_refusal"
+    e.result.ownership = {"refuses": {"resume": "not implemented"}}
+    assert declared.undeclared_refusal(e) is None
+    crash = {"resumed": {"status": "error", "error": "Traceback ...\nRuntimeError: boom", "world_size": 2}}
+    e = evidence("resume", [div("run", run="strategy:resumed", quantity="run", step=None)], crash)
+    e.result.ownership = {"refuses": {}}
+    assert declared.undeclared_refusal(e) is None
+
+
+def test_accumulation_equal_to_the_world_size_is_decided_by_another_scenario() -> None:
+    ambiguous = div("grad_norm", quantity="grad norm", step=0, got=0.5, expected=1.0)
+    for plain_ratio, name in ((1.0, "accumulation_scale"), (0.5, "averaged_twice")):
+        e = evidence("clipping", [ambiguous])
+        e.result.traces["plain"] = {"main": {"status": "ok", "world_size": 2, "steps": steps(norm=plain_ratio)}}
+        e.reference["plain"] = {"main": {"status": "ok", "steps": steps()}}
+        found = scale.gradient_scale(e)
+        assert rule_of(found) == name and "scenario 'plain'" in found[2], found
+
+
+def test_feature_rng_needs_dropout_and_the_strategy_without_the_feature() -> None:
+    against_off = div("loss", run="strategy:on", against="strategy:off")
+    found = reported.feature_rng(evidence("activation_checkpointing_rng", [against_off]))
+    assert rule_of(found) == "feature_rng" and "activation_checkpointing='full'" in found[2]
+    # Near misses: the run without the feature diverging; a model without Dropout.
+    off = div("loss", run="strategy:off", against="reference:off")
+    assert reported.feature_rng(evidence("activation_checkpointing_rng", [off])) is None
+    assert reported.feature_rng(evidence("activation_checkpointing", [div("loss", against="reference:main")])) is None
+
+
+def test_optimizer_state_roundtrip_leaves_missing_entries_to_resume_state() -> None:
+    rounded = div("optimizer_state", run="strategy:resumed", step=None, got="exp_avg: sum of |values| 1 saved, 2")
+    found = reported.optimizer_state_roundtrip(evidence("resume", [rounded]))
+    assert rule_of(found) == "optimizer_state_roundtrip" and "exp_avg" in found[2]
+    lost = div("optimizer_state", run="strategy:resumed", step=None, got="momentum_buffer: not restored")
+    assert reported.optimizer_state_roundtrip(evidence("resume", [lost])) is None
+    assert reported.optimizer_state_roundtrip(evidence("resume", [div("loss")])) is None
+
+
+def test_roundtrip_differences_name_each_entry() -> None:
+    from unison.conformance.checks.reported import roundtrip_differences
+
+    saved = {
+        "exp_avg": {"dtypes": ["float32"], "count": 2, "total": 1.5, "scalars": []},
+        "step": {"dtypes": ["float32"], "count": 2, "total": 6.0, "scalars": [3.0]},
+    }
+    assert roundtrip_differences(saved, saved) == []
+    rounded = {**saved, "exp_avg": {**saved["exp_avg"], "total": 1.5 * (1 + 1e-6)}}
+    assert roundtrip_differences(saved, rounded) == ["exp_avg: sum of |values| 1.5 saved, 1.5000015 loaded"]
+    reset = {**saved, "step": {**saved["step"], "scalars": [0.0]}}
+    assert roundtrip_differences(saved, reset) == ["step: values [3.0] saved, [0.0] loaded"]
+    assert roundtrip_differences(saved, {"step": saved["step"]}) == ["exp_avg: not restored"]
+    halved = {**saved, "exp_avg": {**saved["exp_avg"], "dtypes": ["bfloat16"]}}
+    assert roundtrip_differences(saved, halved) == ["exp_avg: dtype float32 saved, bfloat16 loaded"]

@@ -10,6 +10,9 @@ order of precedence; each rule is a small function of the
 * :mod:`~unison.conformance.diagnosis.scale`: a gradient scale error (fixed
   divisor, averaged twice, summed, accumulation, a tied weight counted twice);
 * :mod:`~unison.conformance.diagnosis.resume`: what a resume did not restore;
+* :mod:`~unison.conformance.diagnosis.reported`: what the strategy built, sent and
+  reported (reduction dtypes, parameter groups, state-dict names, where gradients
+  were reduced, the grad norm returned, frozen parameters, buffer counters);
 * :mod:`~unison.conformance.diagnosis.update`: initial weights, buffers,
   replicas, gradient sync, clipping, the optimizer and scheduler, hooks, counts.
 """

@@ -6,15 +6,36 @@ because any numeric pattern after them would be a consequence.
 
 from __future__ import annotations
 
-from unison.conformance.diagnosis.evidence import Evidence, Finding
+from unison.conformance.diagnosis.evidence import Evidence, Finding, run_of
+
+#: Exceptions that say "not supported" rather than "went wrong", in a failed run's traceback.
+_REFUSALS = ("ConfigurationError", "DeclaredRefusal", "NotImplementedError")
 
 
 def undeclared_refusal(e: Evidence) -> Finding | None:
-    """The strategy refused something its declaration supports."""
-    if "refusal" not in e.by_kind:
+    """The strategy refused something its declaration supports: before the process group, or when a run
+    resumes a checkpoint (loading refused with a ConfigurationError or NotImplementedError) while the
+    declaration does not refuse :attr:`~unison.contract.ownership.Feature.RESUME`."""
+    if "refusal" in e.by_kind:
+        d = e.by_kind["refusal"][0]
+        return "undeclared_refusal", d, d.note or "the refusal is not in the strategy's declaration"
+    refuses = ((getattr(e.result, "ownership", None) or {}).get("refuses")) or {}
+    if "resume" in refuses:
         return None
-    d = e.by_kind["refusal"][0]
-    return "undeclared_refusal", d, d.note or "the refusal is not in the strategy's declaration"
+    for d in e.by_kind.get("run", []):
+        run = run_of(e.scenario, d.run)
+        error = ((e.trace_of(d.run) or {}).get("error") or "").strip().splitlines()
+        last = error[-1] if error else ""
+        raised = last.split(":", 1)[0].rsplit(".", 1)[-1]
+        if run is not None and run.backend == "strategy" and run.resume_from and raised in _REFUSALS:
+            return (
+                "undeclared_refusal",
+                d,
+                f"refused to resume a checkpoint although its declaration supports resume ({last}): declare "
+                "Feature.RESUME in Ownership.refuses (the trainer then refuses ckpt_path before any process group) "
+                "or load the checkpoint",
+            )
+    return None
 
 
 #: What the RNG guard's PluginError says (:mod:`unison.plugin.rng_guard`), every run of the suite being guarded.

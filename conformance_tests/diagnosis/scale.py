@@ -107,12 +107,54 @@ def gradient_scale(e: Evidence) -> Finding | None:
     if match is None:
         return None
     rule, why = match
+    if world == e.scenario.accumulate_grad_batches and rule == "averaged_twice":
+        # 1/world and 1/accumulation are the same number here: a scenario where they differ decides.
+        decided = _decide_by_other_scenario(e, world)
+        if decided is not None:
+            rule, why = decided
     return (
         rule,
         d,
         f"with the loss equal, the global grad norm is {ratio:.4g}x the reference's "
         f"(reference/strategy {1 / ratio:.4g}), which is {why}",
     )
+
+
+def _decide_by_other_scenario(e: Evidence, world: int) -> tuple[str, str] | None:
+    """Averaged twice or divided twice for accumulation, from the first grad-norm ratio of another scenario of
+    the same strategy run at the same world size with another accumulation (``plain``: 1, ``accumulation``: 4)."""
+    from unison.conformance.scenarios import SCENARIOS_BY_NAME
+
+    if e.result is None:
+        return None
+    for name, runs in sorted(e.result.traces.items()):
+        other = SCENARIOS_BY_NAME.get(name)
+        a = other.accumulate_grad_batches if other is not None else world
+        if name == e.scenario.name or a == world or other is None or other.loss != "mse":
+            continue
+        mine, ref = (runs.get("main") or {}), (e.reference.get(name, {}).get("main") or {})
+        if mine.get("status") != "ok" or int(mine.get("world_size") or 1) != world:
+            continue
+        got, want = (mine.get("steps") or [{}])[0], (ref.get("steps") or [{}])[0]
+        if "grad_norm" not in got or not want.get("grad_norm"):
+            continue
+        ratio = got["grad_norm"] / want["grad_norm"]
+        where = (
+            f"scenario {name!r} (accumulation {a}, world size {world}): first grad norm {ratio:.4g}x the reference's"
+        )
+        if close(ratio, 1 / a):
+            return (
+                "accumulation_scale",
+                f"1/accumulate_grad_batches, and not 1/world size: {where}, 1/{a}. The loss was divided for "
+                "accumulation twice (trainer and engine both, or the loss function and backward)",
+            )
+        if close(ratio, 1 / world):
+            return (
+                "averaged_twice",
+                f"1/world size, and not 1/accumulate_grad_batches: {where}, 1/{world}. The gradients were divided "
+                "by the world size twice",
+            )
+    return None
 
 
 def ratio_pattern(ratio: float, world: int, accumulation: int) -> tuple[str, str] | None:

@@ -12,7 +12,9 @@ the first finding names the diagnosis. A rule is a small function of the
 table rule                diagnosis                 pattern
 ========================= ========================= ==================================================
 undeclared_refusal        undeclared_refusal        the strategy refused something its declaration
-                                                    supports
+                                                    supports (before the process group, or a resume
+                                                    refused with a ConfigurationError /
+                                                    NotImplementedError while it declares resume)
 run_error                 error                     a run raised after setup started (or its world
                                                     died)
 declaration               declaration               a precision declaration the Trainer does not honour
@@ -23,6 +25,13 @@ precision_not_applied     precision_not_applied     a precision probe saw anothe
                                                     not in bf16/fp16, or the optimizer updating
                                                     low-precision weights (no fp32 masters); see
                                                     :mod:`unison.conformance.sensitivity`
+reduction_dtype           reduction_dtype           under a precision the trainer applies, a gradient
+                                                    reduction carried bf16/fp16 data (the process
+                                                    group's record of each collective's payload)
+param_groups              param_groups              the optimizer the strategy steps lost or changed
+                                                    the parameter groups the user's factory built
+state_dict_keys           state_dict_keys           the canonical state's key set is not the model's
+                                                    (a wrapper's ``module.`` prefix, renamed keys)
 plugin_rng                plugin_rng                a run failed with the RNG guard's PluginError: a
                                                     lifecycle plugin drew from or reseeded a global
                                                     generator (``UNISON_CHECK_PLUGIN_RNG=1``)
@@ -39,6 +48,9 @@ buffers_on_resume         buffers_on_resume         only resumed runs diverge an
 fresh_process_resume      fresh_process_resume      only runs resumed in new processes (``world="fresh"``)
                                                     diverge: a once-per-process draw or cache changes
                                                     training after a restart
+optimizer_state_roundtrip optimizer_state_roundtrip a resume of the strategy's own checkpoint gave the
+                                                    optimizer every entry back, but in another dtype,
+                                                    rounded or with other step counters
 resume_state              resume_state              only runs that resume a checkpoint diverge: the
                                                     checkpoint does not restore optimizer / scheduler /
                                                     RNG / model state (refined by the first quantity:
@@ -46,6 +58,14 @@ resume_state              resume_state              only runs that resume a chec
                                                     loss -> model weights; a later step -> optimizer
                                                     state); a ``single`` run resuming the strategy's
                                                     checkpoint diverging -> the checkpoint is wrong
+feature_rng               feature_rng               on a model with Dropout, the run with activation
+                                                    checkpointing (or compile) differs from the same
+                                                    strategy's run without: the recompute drew other masks
+frozen_updated            frozen_updated            a frozen parameter moved in the strategy's final
+                                                    state while the reference kept its initial value
+buffers_twice             buffers_twice             an integer buffer (a counter) ends at a whole
+                                                    multiple (k >= 2) of the reference's: every buffer
+                                                    update applied k times (a recomputed forward)
 initial_weights           initial_weights           the loss of a fresh run's very first micro-batch
                                                     differs, before any optimizer update: replicas did
                                                     not start from the reference's weights/buffers (or,
@@ -54,6 +74,14 @@ buffers_within_first_step buffers                   the first micro-batch matche
                                                     same step does not (only forward-side state changed)
 stale_buffers             buffers                   buffers differ and the strategy's still hold their
                                                     initial values at a checkpoint
+clip_before_sync          clip_before_sync          gradient-sized reductions ran only inside
+                                                    ``clip_grad_norm``, none in forward/backward: each
+                                                    replica clipped by its local norm, then averaged
+reported_grad_norm        reported_grad_norm        every grad norm that differs equals the clip value
+                                                    where the reference's is above it, the losses and
+                                                    weights equal: the norm after clipping reported
+sync_off_boundary         gradient_sync             a gradient collective before the last micro-step or
+                                                    inside ``no_sync()`` (declared boundary sync)
 loss_normalisation        loss_normalisation        pair-form (token) scenario, first grad-norm ratio
                                                     1/ or x the data-parallel size with the loss equal:
                                                     the declared LossNormalisation misstates the
@@ -61,7 +89,9 @@ loss_normalisation        loss_normalisation        pair-form (token) scenario, 
 gradient_scale            averaged_twice, summed,   the first grad-norm ratio (strategy / reference),
                           accumulation_scale        the loss equal before: 1 / world size (divided
                                                     twice), world size (summed), 1 / or x
-                                                    accumulate_grad_batches (loss divided twice / never)
+                                                    accumulate_grad_batches (loss divided twice / never);
+                                                    when world size = accumulation, another scenario of
+                                                    the strategy at another accumulation decides
 norm_over_replicated_dim  norm_over_replicated_dim  a declared device mesh (``Ownership.mesh``) and the
                                                     first grad norm sqrt(k) times the reference's, the
                                                     loss equal, k a mesh dimension's size: the squared
@@ -101,7 +131,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from unison.conformance.diagnosis import declared, resume, scale, update
+from unison.conformance.diagnosis import declared, reported, resume, scale, update
 from unison.conformance.diagnosis.evidence import Evidence, Finding
 from unison.conformance.spec import Scenario
 
@@ -123,6 +153,15 @@ TITLES = {
     "norm_over_replicated_dim": "gradient norm reduced over a mesh dimension that replicates the gradients",
     "replica_desync": "replicas disagree with each other",
     "buffers": "buffer updates lost",
+    "buffers_twice": "buffer updates applied more than once",
+    "reduction_dtype": "gradients reduced in a lower precision than declared",
+    "param_groups": "the optimizer lost the factory's parameter groups",
+    "state_dict_keys": "the state dict's names are not the model's own",
+    "frozen_updated": "frozen parameters were updated",
+    "feature_rng": "the recomputed forward did not restore the RNG state",
+    "optimizer_state_roundtrip": "the checkpoint changed the optimizer state on the way",
+    "clip_before_sync": "gradients clipped by each replica's local norm before they were synchronised",
+    "reported_grad_norm": "the reported grad norm is the clipped one",
     "gradient_sync": "gradient sync contradicts the declaration",
     "uncapped_clip": "clip coefficient not capped at 1",
     "per_bucket_clip": "gradients clipped per bucket, not by the global norm",
@@ -147,15 +186,25 @@ RULES: tuple[Rule, ...] = (
     declared.declaration,
     declared.premise,
     declared.precision_not_applied,
+    reported.reduction_dtype,
+    reported.param_groups,
+    reported.state_dict_keys,
     declared.validation,
     scale.hard_coded_divisor,
     resume.partial_optimizer_state,
     resume.buffers_on_resume,
     resume.fresh_process,
+    reported.optimizer_state_roundtrip,
     resume.resume_state,
+    reported.feature_rng,
+    reported.frozen_updated,
+    reported.buffers_twice,
     update.initial_weights,
     update.buffers_within_first_step,
     update.stale_buffers,
+    reported.clip_before_sync,
+    reported.reported_grad_norm,
+    update.sync_off_boundary,
     scale.loss_normalisation,
     scale.gradient_scale,
     scale.norm_over_replicated_dim,

@@ -125,6 +125,25 @@ def gradient_sync(e: Evidence) -> Finding | None:
     )
 
 
+#: Sync divergences that name where gradients were synchronised against the declared boundary.
+_OFF_BOUNDARY = ("gradient collectives before the last micro-step", "gradient collectives inside no_sync()")
+
+
+def sync_off_boundary(e: Evidence) -> Finding | None:
+    """Gradient collectives at a micro-step that is not the declared boundary (before replicas drift apart)."""
+    d = next((x for x in e.by_kind.get("sync", []) if x.quantity.startswith(_OFF_BOUNDARY)), None)
+    if d is None:
+        return None
+    where = f" (per micro-step: {d.got}, expected {d.expected})" if d.got is not None else ""
+    return (
+        "gradient_sync",
+        d,
+        f"the gradients were synchronised before the last micro-step{where}, inside no_sync() or at the first "
+        "micro-step instead of the boundary: the gradients of the later micro-steps stay local to each replica, "
+        "so the replicas step on different gradients",
+    )
+
+
 def scheduler(e: Evidence) -> Finding | None:
     """The learning rate is the first quantity to differ."""
     if e.first.kind != "lr":
@@ -261,5 +280,6 @@ __all__ = [
     "replica_desync",
     "scheduler",
     "stale_buffers",
+    "sync_off_boundary",
     "unclassified",
 ]

@@ -1,0 +1,191 @@
+"""What a strategy builds and sends, checked against what it declares: optimizer groups, reduction dtypes.
+
+Parameter groups. The optimizer the strategy steps (``strategy.optimizer``,
+read at a run's first step, after a resume loaded its state) must keep the
+parameter groups of the optimizer the user's factory built: the same distinct
+hyperparameters (weight decay, betas, momentum... ``lr`` apart, which is compared
+at every step), every rank's groups among the reference's and, over all ranks,
+all of them. A strategy that rebuilds the optimizer from ``module.parameters()``
+and the class defaults loses them.
+
+Optimizer state read back. Every resume of the strategy's own checkpoint at the
+same world size (in the same processes or in new ones) must give the optimizer
+back the state it had when the checkpoint was written: every entry
+(``exp_avg``, ``momentum_buffer``, ``step``...), in its dtype, with the same
+step counters and to the bit (the float64 sum of each entry's absolute values,
+relative agreement :data:`ROUNDTRIP_MATCH`). A checkpoint that keeps moments in
+bf16 to halve its size moves the resumed weights by less than the fp32
+tolerance in a few steps; only this check sees it.
+
+Reduction dtypes. Under a precision the trainer (or its precision plugin)
+applies, parameters and gradients stay fp32 (autocast computes in bf16/fp16,
+the masters and their gradients do not), so every reduction of more than one
+element inside the forward/backward window (a gradient all-reduce or
+reduce-scatter) carries fp32 data on a flat data-parallel world. Recorded from
+the process group backend's own record of each collective (its payload's dtype
+and shape), as the sync checks count collectives. A strategy that casts the
+gradients to bf16 to halve the traffic while declaring a trainer-applied
+``bf16-mixed`` rounds every reduction: its weights drift by about 1e-3 after a
+few steps, inside the bf16 tolerance, so only this check sees it. Engine- or
+strategy-owned precision (FSDP's ``reduce_dtype``, DeepSpeed's
+``communication_data_type``) and composed meshes (tensor-parallel activations
+are reduced in the compute dtype) are shown, not judged: the dtypes every
+strategy reduced in, per precision, are on its certificate.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from unison.conformance.checks.numeric import Checker
+from unison.contract.ownership import PrecisionOwner
+
+#: Reduction dtypes lower than fp32, which a trainer-applied precision never reduces gradients in.
+LOW_PRECISION = frozenset({"bfloat16", "float16"})
+
+
+def _key(group: dict[str, Any], keys: set[str]) -> str:
+    return repr(sorted((k, group.get(k)) for k in keys))
+
+
+def check_param_groups(c: Checker, label: str, trace: dict[str, Any], reference: dict[str, Any] | None) -> None:
+    """The optimizer the strategy steps has the groups the factory built (distinct hyperparameters)."""
+    want = (reference or {}).get("param_groups")
+    if not want:
+        return
+    keys = set().union(*(g.keys() for g in want))
+    expected = {_key(g, keys) for g in want}
+    seen: set[str] = set()
+    c.checks.append(f"{label}: the optimizer it steps keeps the factory's {len(want)} parameter group(s)")
+    for r, rt in enumerate(trace.get("ranks") or [trace]):
+        groups = rt.get("param_groups")
+        if groups is None:
+            c.fail(label, f"parameter groups on rank {r}", note="not recorded (no strategy.optimizer)", kind="groups")
+            return
+        mine = {_key(g, keys) for g in groups}
+        seen |= mine
+        if not mine <= expected:
+            c.fail(
+                label,
+                f"parameter groups on rank {r}",
+                expected=[{k: g.get(k) for k in sorted(keys)} for g in want],
+                got=[{k: g.get(k) for k in sorted(keys)} for g in groups],
+                kind="groups",
+                note="the optimizer the strategy steps lost or changed the hyperparameters of the factory's groups",
+            )
+            return
+    if seen != expected:
+        c.fail(
+            label,
+            "parameter groups over all ranks",
+            expected=len(expected),
+            got=len(seen),
+            kind="groups",
+            note="some of the factory's parameter groups are on no rank's optimizer",
+        )
+
+
+#: Relative agreement of an optimizer state entry's sum before the save and after the load: far below bf16
+#: (4e-3) and fp16 (5e-4) rounding, above float64 summation-order noise.
+ROUNDTRIP_MATCH = 1e-9
+
+
+def roundtrip_differences(saved: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
+    """What the loaded optimizer state lacks or changed against the saved one (empty when equal)."""
+    out = []
+    for key in sorted(set(saved) | set(loaded)):
+        a, b = saved.get(key), loaded.get(key)
+        if a is None or b is None:
+            out.append(f"{key}: {'not restored' if b is None else 'not saved'}")
+            continue
+        if a["dtypes"] != b["dtypes"]:
+            out.append(f"{key}: dtype {'/'.join(a['dtypes'])} saved, {'/'.join(b['dtypes'])} loaded")
+        elif a["count"] != b["count"]:
+            out.append(f"{key}: {a['count']} entries saved, {b['count']} loaded")
+        elif a["scalars"] != b["scalars"]:
+            out.append(f"{key}: values {a['scalars'][:4]} saved, {b['scalars'][:4]} loaded")
+        elif abs(a["total"] - b["total"]) > ROUNDTRIP_MATCH * max(abs(a["total"]), 1e-30):
+            out.append(f"{key}: sum of |values| {a['total']:.12g} saved, {b['total']:.12g} loaded")
+    return out
+
+
+def check_optimizer_roundtrip(c: Checker, run: Any, label: str, trace: dict[str, Any], part: Any) -> None:
+    """A resume of the strategy's own checkpoint at the same world size restores the optimizer state exactly."""
+    if run.resume_from is None or ":" in run.resume_from or run.world == "alt" or not part:
+        return
+    c.checks.append(f"{label}: the optimizer state it resumed with is the state saved, entry by entry, to the bit")
+    for r, (rt, pt) in enumerate(zip(trace.get("ranks") or [trace], part.get("ranks") or [part])):
+        saved_at = pt.get("saved_optimizer_state") or {}
+        loaded = rt.get("loaded_optimizer_state")
+        if not saved_at or loaded is None:
+            continue
+        saved = saved_at[max(saved_at, key=int)]
+        differences = roundtrip_differences(saved, loaded)
+        if differences:
+            # Numeric when only sums differ (the deciding check's margin): their largest relative difference.
+            shared = [k for k in saved if k in loaded and saved[k]["dtypes"] == loaded[k]["dtypes"]]
+            relative = max(
+                (abs(saved[k]["total"] - loaded[k]["total"]) / max(abs(saved[k]["total"]), 1e-30) for k in shared),
+                default=0.0,
+            )
+            numeric = relative > ROUNDTRIP_MATCH
+            c.fail(
+                label,
+                f"optimizer state on resume, rank {r}",
+                # A changed value is seen at the resumed run's first step, before any of its numbers; a lost
+                # entry has no step (the numbers that follow show where it matters).
+                step=(trace.get("steps") or [{}])[0].get("step") if numeric else None,
+                expected="the state saved",
+                got="; ".join(differences),
+                deviation=relative if numeric else None,
+                tolerance=ROUNDTRIP_MATCH if numeric else None,
+                kind="optimizer_state",
+                note="the checkpoint did not give the optimizer back the state it had when it was written",
+            )
+
+
+def reduction_dtypes(trace: dict[str, Any]) -> dict[str, int]:
+    """Every rank's reductions of more than one element in the forward/backward windows, by dtype."""
+    out: dict[str, int] = {}
+    for rt in trace.get("ranks") or [trace]:
+        for dtype, n in ((rt.get("collectives") or {}).get("reduction_dtypes") or {}).items():
+            out[dtype] = out.get(dtype, 0) + n
+    return out
+
+
+def check_reduction_dtypes(c: Checker, precision: str, label: str, trace: dict[str, Any]) -> None:
+    """Under a trainer-applied precision on a flat data-parallel world: gradients reduced in fp32."""
+    owner = trace.get("precision_owner")
+    if owner not in (PrecisionOwner.TRAINER.value, PrecisionOwner.PLUGIN.value) or trace.get("mesh"):
+        return
+    if trace.get("data_parallel_size", 1) < 2 or trace.get("data_parallel_size") != trace.get("world_size"):
+        return
+    seen = reduction_dtypes(trace)
+    if not seen:
+        return
+    c.checks.append(
+        f"{label}: {precision} applied by the {owner}: fp32 parameters and gradients, every gradient reduction in "
+        f"fp32 (seen: {', '.join(f'{k} x{v}' for k, v in sorted(seen.items()))})"
+    )
+    low = {k: v for k, v in seen.items() if k in LOW_PRECISION}
+    if low:
+        c.fail(
+            label,
+            "gradient reduction dtype",
+            expected="float32",
+            got=", ".join(f"{k} x{v}" for k, v in sorted(low.items())),
+            kind="reduction",
+            note=f"under {precision} applied by the {owner} the gradients are fp32; reducing them in "
+            f"{'/'.join(sorted(low))} rounds every synchronised gradient, which the declaration does not say",
+        )
+
+
+__all__ = [
+    "LOW_PRECISION",
+    "ROUNDTRIP_MATCH",
+    "check_optimizer_roundtrip",
+    "check_param_groups",
+    "check_reduction_dtypes",
+    "reduction_dtypes",
+    "roundtrip_differences",
+]

@@ -1,0 +1,114 @@
+"""Diagnoses decided by direct evidence (``conformance_broken_diagnoses``), with a correct control.
+
+One suite run (module fixture, 2-rank gloo worlds) certifies nine strategies, each plain data parallel
+with one defect the suite used to name wrongly, and the control. Every broken one is not certified and
+its diagnosis names its rule; the deciding check is categorical (collectives, key sets, parameter
+groups, an error) or falls at least 10x outside its tolerance. Evidence: where gradient-sized
+reductions ran and in which dtype (the process group's own record), the state-dict key sets, the
+optimizer's parameter groups, a scenario at another accumulation (accumulation = world size = 2 is
+ambiguous), the counter of a buffer, the grad norm against the clip value, the error of a resume.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from unison.conformance.certification import certify
+from unison.conformance.report import SuiteReport
+from unison.conformance.suite import Suite
+from unison.conformance.verdict import FAIL, PASS
+
+from helpers import suite_report_dir
+
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
+
+PLUGIN = "conformance_broken_diagnoses"
+SCENARIOS = [
+    "plain",
+    "accumulation",
+    "clipping",
+    "buffers",
+    "lr_scheduler",
+    "bf16_mixed",
+    "resume",
+    "activation_checkpointing_rng",
+]
+CONTROL = "diagnoses_control"
+#: strategy -> (the scenario that sees it, the rule its diagnosis must name)
+EXPECTED = {
+    "clips_local_norm": ("clipping", "clip_before_sync"),
+    "prefixed_state_dict": ("plain", "state_dict_keys"),
+    "loss_divided_twice": ("clipping", "accumulation_scale"),
+    "recomputes_forward": ("buffers", "buffers_twice"),
+    "refuses_resume": ("resume", "undeclared_refusal"),
+    "reports_clipped_norm": ("clipping", "reported_grad_norm"),
+    "syncs_first_micro_step": ("accumulation", "gradient_sync"),
+    "rebuilds_optimizer": ("lr_scheduler", "param_groups"),
+    "reduces_in_bf16": ("bf16_mixed", "reduction_dtype"),
+    "recomputes_without_rng": ("activation_checkpointing_rng", "feature_rng"),
+    "rounds_optimizer_state": ("resume", "optimizer_state_roundtrip"),
+}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> SuiteReport:
+    with Suite(
+        world_size=2,
+        scenarios=SCENARIOS,
+        plugins=[PLUGIN],
+        timeout=300,
+        workdir=tmp_path_factory.mktemp("conformance-diagnoses"),
+    ) as suite:
+        return certify([CONTROL, *EXPECTED], suite=suite, report_dir=suite_report_dir(tmp_path_factory, "diagnoses"))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_the_diagnosis_names_the_rule_from_direct_evidence(report, name):
+    scenario, rule = EXPECTED[name]
+    v = report.verdicts[name][scenario]
+    assert v.status == FAIL, v.summary()
+    assert v.diagnosis is not None and v.diagnosis.rule == rule, v.diagnosis and v.diagnosis.message()
+    # Categorical (no numeric divergence decides) or at least 10x outside the tolerance.
+    assert v.margin is None or v.margin >= 10, (v.margin, v.divergences[0].message())
+    assert not report.certificate(name).certified
+
+
+def test_accumulation_equal_to_the_world_size_is_decided_by_another_scenario(report):
+    verdicts = report.verdicts["loss_divided_twice"]
+    failed = {n: v for n, v in verdicts.items() if v.status == FAIL}
+    # Every failed scenario at accumulation 2 = world size 2 names the accumulation, never "averaged twice".
+    rules = {n: v.diagnosis.rule for n, v in failed.items()}
+    assert set(rules.values()) == {"accumulation_scale"}, rules
+    assert "scenario 'plain'" in failed["clipping"].diagnosis.explanation or (
+        "scenario 'accumulation'" in failed["clipping"].diagnosis.explanation
+    )
+    # At accumulation 1 dividing twice divides by 1: plain is proven.
+    assert verdicts["plain"].status == PASS
+
+
+def test_the_reduction_dtype_is_observed_for_the_control(report):
+    checks = report.verdicts[CONTROL]["bf16_mixed"].checks
+    assert any("every gradient reduction in fp32 (seen: float32" in c for c in checks), checks
+    v = report.verdicts["reduces_in_bf16"]["bf16_mixed"]
+    assert "bfloat16" in str(v.diagnosis.explanation)
+    # Only bf16-mixed reduces in bf16: fp32 scenarios are proven.
+    assert report.verdicts["reduces_in_bf16"]["plain"].status == PASS
+
+
+def test_the_correct_control_is_certified_on_the_same_scenarios(report):
+    statuses = {n: v.status for n, v in report.verdicts[CONTROL].items()}
+    assert statuses == dict.fromkeys(SCENARIOS, PASS)
+
+
+def test_mutation_score_names_every_rule(report):
+    from unison.conformance.mutation import score
+    from unison.conformance.report import _sanitize
+
+    rules = {name: rule for name, (_, rule) in EXPECTED.items()}
+    result = score(_sanitize(report.to_dict()), list(EXPECTED), controls=[CONTROL], rules=rules)
+    line = result.line()
+    print(line)
+    assert result.ok and f"diagnoses {len(EXPECTED)} of {len(EXPECTED)} right" in line, line
+    # A wrong expectation is reported and fails the score.
+    wrong = score(_sanitize(report.to_dict()), list(EXPECTED), controls=[CONTROL], rules={**rules, "x": "y"})
+    assert not wrong.ok and "x diagnosed nothing, not y" in wrong.line()
