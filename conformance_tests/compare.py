@@ -288,7 +288,9 @@ def _judge_run(
             c.fail(label, "same_as", note=f"strategy run {other!r} missing", kind="run")
             continue
         c.steps(label, t, o, against, exact_range=False)
-        c.state(label, t.get("state"), o.get("state"), against, track=False, buffers=buffers)
+        # A run compared with the strategy's own runs only (activation_checkpointing_rng) reports that deviation.
+        alone = run.twin is None and run.truth is None
+        c.state(label, t.get("state"), o.get("state"), against, track=alone, buffers=buffers)
     for other in run.exact_as:
         _compare_exactly(c, label, t, strat.get(other), run_label("strategy", other), buffers)
     if run.twin is not None:

@@ -28,7 +28,8 @@ class Control(_DataParallel):
 
 class PerBucketClip(_DataParallel):
     """Clips each of two gradient buckets by its own norm (as a sharded optimizer clipping per shard would),
-    not by the global norm; it reports the global pre-clip norm."""
+    not by the global norm; it reports the global pre-clip norm. Follows pytorch/pytorch#170862
+    (clip_grad_norm_ under FSDP2 clipping with the local shard's norm)."""
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         assert self.module is not None
@@ -101,7 +102,8 @@ class TiedWeightTwice(_DataParallel):
 
 class DecaysFrozen(_DataParallel):
     """Gives frozen parameters a zero gradient (as one flat gradient buffer with views into it would), so the
-    optimizer, built over every parameter, applies weight decay to them."""
+    optimizer, built over every parameter, applies weight decay to them. Follows pytorch/torchtitan#3885
+    (re-registered parameters losing requires_grad=False, so frozen parameters are updated)."""
 
     def backward(self, loss: torch.Tensor) -> None:
         assert self.module is not None

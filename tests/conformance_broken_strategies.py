@@ -163,7 +163,9 @@ class ForgetsOptimizerState(_DataParallel):
 
 class PerRankValidationMean(_DataParallel):
     """Trains correctly; its ``reduce_sum`` treats the validation pair (a float64 ``(loss * weight, weight)``)
-    as one replica's mean to average: val/loss is the mean of replica means, not the per-sample mean."""
+    as one replica's mean to average: val/loss is the mean of replica means, not the per-sample mean. Follows
+    Lightning-AI/pytorch-lightning#12354 (a validation loss synced across ranks that is right only with
+    drop_last=True)."""
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         validation_pair = tensor.numel() == 2 and tensor.dtype == torch.float64
@@ -179,7 +181,8 @@ class BatchMeanOverReplicas(_DataParallel):
     """Trains correctly; its ``eval_loss`` returns each validation batch's loss averaged over the replicas (as
     DeepSpeed's ``PipelineEngine.eval_batch`` aggregates the loss over its data-parallel group): a batch split
     3 + 2 counts its 2-sample half as much as its 3-sample one. Certified while the validation scenario's short
-    last chunk held one sample (the other replica's stand-in is that sample: 19.4992651 vs 19.4992650)."""
+    last chunk held one sample (the other replica's stand-in is that sample: 19.4992651 vs 19.4992650).
+    Follows Lightning-AI/pytorch-lightning#2924 (a smaller last batch skewing epoch metrics)."""
 
     def eval_loss(self, inputs: Any, targets: Any, loss_fn: Any) -> torch.Tensor:
         loss = super().eval_loss(inputs, targets, loss_fn).detach().clone()

@@ -93,6 +93,10 @@ def test_the_reduction_dtype_is_observed_for_the_control(report):
     assert "bfloat16" in str(v.diagnosis.explanation)
     # Only bf16-mixed reduces in bf16: fp32 scenarios are proven.
     assert report.verdicts["reduces_in_bf16"]["plain"].status == PASS
+    # The certificate shows what the reductions carried, per precision (report.json, terminal, HTML).
+    assert report.certificate(CONTROL).gradient_reductions == {"32-true": ["float32"], "bf16-mixed": ["float32"]}
+    assert "bfloat16" in report.certificate("reduces_in_bf16").gradient_reductions["bf16-mixed"]
+    assert "gradient reductions carried 32-true: float32; bf16-mixed: float32" in report.to_html()
 
 
 def test_the_correct_control_is_certified_on_the_same_scenarios(report):

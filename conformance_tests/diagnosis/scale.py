@@ -111,7 +111,8 @@ def gradient_scale(e: Evidence) -> Finding | None:
         # 1/world and 1/accumulation are the same number here: a scenario where they differ decides.
         decided = _decide_by_other_scenario(e, world)
         if decided is not None:
-            rule, why = decided
+            alone = ratio_pattern(ratio, world, 1) if decided[0] == "averaged_twice" else ratio_pattern(ratio, 1, world)
+            rule, why = decided[0], f"{alone[1] if alone else decided[0]}; {decided[1]}"
     return (
         rule,
         d,
@@ -145,14 +146,12 @@ def _decide_by_other_scenario(e: Evidence, world: int) -> tuple[str, str] | None
         if close(ratio, 1 / a):
             return (
                 "accumulation_scale",
-                f"1/accumulate_grad_batches, and not 1/world size: {where}, 1/{a}. The loss was divided for "
-                "accumulation twice (trainer and engine both, or the loss function and backward)",
+                f"not 1/world size: {where}, 1/{a}, its accumulation",
             )
         if close(ratio, 1 / world):
             return (
                 "averaged_twice",
-                f"1/world size, and not 1/accumulate_grad_batches: {where}, 1/{world}. The gradients were divided "
-                "by the world size twice",
+                f"not 1/accumulate_grad_batches: {where}, 1/{world}, the world size",
             )
     return None
 
