@@ -48,7 +48,7 @@ Every run produces a *trace* (a plain dict, JSON-able but for ``state``):
     the hyperparameters of each parameter group of ``strategy.optimizer`` at
     the run's first step (after a resume loaded its state), ``lr`` apart.
 ``saved_optimizer_state`` / ``loaded_optimizer_state``
-    a summary of the user's optimizer's state (:func:`optimizer_state_summary`)
+    a summary of the user's optimizer's state (:func:`~unison.conformance.snapshots.optimizer_state_summary`)
     at every checkpoint written, and at the run's first step: a resume must
     give back what was written.
 ``boundaries``
@@ -77,6 +77,7 @@ from typing import Any
 import torch
 
 import unison
+from unison.conformance.snapshots import PAYLOAD_PREFIXES, group_hyperparameters, optimizer_state_summary, payload
 
 STEP_MARK = "unison.conformance::forward_backward"
 
@@ -88,22 +89,6 @@ MICRO_MARK = "unison.conformance::backward"
 
 
 CLIP_MARK = "unison.conformance::clip_grad_norm"
-
-
-#: Prefixes of the backend's own record of one collective's work, which carries the payload's dtype and shape
-#: (``gloo:all_reduce``); the ``c10d::`` op above it often does not (its input is a tensor list).
-PAYLOAD_PREFIXES = ("gloo:", "nccl:")
-
-
-#: The profiler's dtype names -> torch's.
-_DTYPE_NAMES = {
-    "float": "float32",
-    "double": "float64",
-    "c10::BFloat16": "bfloat16",
-    "c10::Half": "float16",
-    "long int": "int64",
-    "int": "int32",
-}
 
 
 #: The namespace of DTensor's functional collectives (``torch.distributed._functional_collectives``).
@@ -171,7 +156,8 @@ class TraceRecorder:
         #: The optimizers the user's factory built (set by the run; the last one is the one trained).
         self.optimizers: list[Any] = []
         #: ``{step: summary}`` of the optimizer's state at every checkpoint written, and its state at the
-        #: run's first step (a resumed run: what the checkpoint restored); :func:`optimizer_state_summary`.
+        #: run's first step (a resumed run: what the checkpoint restored); see
+        #: :func:`~unison.conformance.snapshots.optimizer_state_summary`.
         self.saved_optimizer_state: dict[int, dict[str, Any]] = {}
         self.loaded_optimizer_state: dict[str, Any] | None = None
 
@@ -246,65 +232,6 @@ class TraceRecorder:
         )
 
 
-#: Parameter-group keys that are implementation choices (how the update is computed), not hyperparameters.
-_IMPLEMENTATION_KEYS = frozenset(
-    {"params", "lr", "initial_lr", "foreach", "fused", "capturable", "differentiable", "decoupled_weight_decay"}
-)
-
-
-def group_hyperparameters(optimizer: Any) -> list[dict[str, Any]] | None:
-    """Each parameter group's hyperparameters (numbers, flags and tuples of numbers), ``lr`` and
-    implementation flags apart; ``None`` without an optimizer."""
-    groups = getattr(optimizer, "param_groups", None)
-    if groups is None:
-        return None
-    out = []
-    for group in groups:
-        kept: dict[str, Any] = {}
-        for key, value in group.items():
-            if key in _IMPLEMENTATION_KEYS:
-                continue
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                value = value.item()
-            if isinstance(value, (bool, int, float)) or (
-                isinstance(value, tuple) and all(isinstance(x, (int, float)) for x in value)
-            ):
-                kept[key] = list(value) if isinstance(value, tuple) else value
-        out.append(kept)
-    return out
-
-
-def optimizer_state_summary(optimizer: Any) -> dict[str, Any] | None:
-    """Per state entry (``exp_avg``, ``step``...) of this rank's optimizer: its dtypes, how many tensors, the
-    float64 sum of their absolute values, and the distinct values of one-element entries (step counters).
-
-    Taken when a checkpoint is written and at a resumed run's first step, it shows whether the checkpoint
-    gave back every entry, in its dtype and to the bit (a sum of 1e5 values changes with any rounding).
-    """
-    state = getattr(optimizer, "state", None)
-    if state is None:
-        return None
-    entries: dict[str, dict[str, Any]] = {}
-    for per_param in state.values():
-        for key, value in per_param.items():
-            entry = entries.setdefault(str(key), {"dtypes": set(), "count": 0, "total": 0.0, "scalars": set()})
-            entry["count"] += 1
-            if isinstance(value, torch.Tensor):
-                local = value.to_local() if hasattr(value, "to_local") else value
-                entry["dtypes"].add(str(local.dtype).removeprefix("torch."))
-                entry["total"] += float(local.detach().double().abs().sum())
-                if local.numel() == 1:
-                    entry["scalars"].add(float(local))
-            elif isinstance(value, (bool, int, float)):
-                entry["dtypes"].add(type(value).__name__)
-                entry["total"] += abs(float(value))
-                entry["scalars"].add(float(value))
-    return {
-        k: {"dtypes": sorted(e["dtypes"]), "count": e["count"], "total": e["total"], "scalars": sorted(e["scalars"])}
-        for k, e in sorted(entries.items())
-    }
-
-
 def redispatched(event: Any) -> bool:
     """Whether ``event`` is an op's second record: the op re-dispatched by a Python dispatch mode.
 
@@ -320,18 +247,6 @@ def redispatched(event: Any) -> bool:
             return True
         parent = parent.cpu_parent
     return False
-
-
-def payload(event: Any) -> tuple[str, int] | None:
-    """``(dtype, elements)`` of a backend's collective record (``gloo:all_reduce``), or ``None``."""
-    dtypes = getattr(event, "input_dtypes", None) or []
-    shapes = getattr(event, "input_shapes", None) or []
-    if not dtypes or not shapes or not isinstance(shapes[0], list):
-        return None
-    numel = 1
-    for n in shapes[0]:
-        numel *= int(n)
-    return _DTYPE_NAMES.get(dtypes[0], dtypes[0]), numel
 
 
 def analyse_collectives(events: Any) -> dict[str, Any]:

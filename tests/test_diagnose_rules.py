@@ -491,6 +491,8 @@ def test_optimizer_state_roundtrip_leaves_missing_entries_to_resume_state() -> N
     lost = div("optimizer_state", run="strategy:resumed", step=None, got="momentum_buffer: not restored")
     assert reported.optimizer_state_roundtrip(evidence("resume", [lost])) is None
     assert reported.optimizer_state_roundtrip(evidence("resume", [div("loss")])) is None
+    # Replicas apart: one replica's state was written, and the other loads it.
+    assert reported.optimizer_state_roundtrip(evidence("resume", [rounded, div("rank")])) is None
 
 
 def test_roundtrip_differences_name_each_entry() -> None:
