@@ -40,7 +40,13 @@ from unison.conformance.feature_probes import FeatureProbe
 from unison.conformance.models import OPTIMIZERS, SCHEDULERS, build_model, loss_fn, perturb, training_step
 from unison.conformance.sensitivity import PrecisionProbe, probes_apply
 from unison.conformance.spec import Run, Scenario
-from unison.conformance.trace import TraceRecorder, analyse_collectives, instrument, profile_collectives
+from unison.conformance.trace import (
+    TraceRecorder,
+    analyse_collectives,
+    instrument,
+    profile_collectives,
+    records_payloads,
+)
 from unison.conformance.validation import validation_data
 from unison.conformance.workloads import huggingface_slice_mean, token_loss, token_slice_mean
 from unison.contract.ownership import STANDARD_PRECISIONS, WorldSizes
@@ -142,7 +148,7 @@ def execute_run(
             form["val_dataset"] = validation_data()
         feature_probe = FeatureProbe(scenario.probe) if scenario.probe is not None else contextlib.nullcontext()
         with (
-            profile_collectives(dist_on) as prof_box,
+            profile_collectives(dist_on, shapes=records_payloads(scenario)) as prof_box,
             pm.record_hook_calls(prefix="unison_") as hooks,
             feature_probe,
             _quiet(run.defaults),

@@ -39,11 +39,13 @@ Every run produces a *trace* (a plain dict, JSON-able but for ``state``):
     synchronise gradients through ``c10d`` directly). A strategy that
     synchronised parameter gradients through DTensor redistribution would
     escape this count; its numbers are still compared.
-    With ``record_shapes``, each collective's payload (dtype, elements) is read
-    from the backend's own record (``gloo:all_reduce``): ``reduction_dtypes``
-    counts the dtypes of reductions of more than one element inside the
-    forward/backward windows (gradients, not a loss or a norm), and
-    ``reductions_in_clip`` those inside the strategy's ``clip_grad_norm``.
+    ``reductions_in_clip`` counts the reductions called inside the strategy's
+    ``clip_grad_norm``. Where :func:`records_payloads` says so (the
+    mixed-precision scenarios and ``plain``), ``record_shapes`` is on and each
+    collective's payload (dtype, elements) is read from the backend's own
+    record (``gloo:all_reduce``): ``reduction_dtypes`` counts the dtypes of
+    reductions of more than one element inside the forward/backward windows
+    (gradients, not a loss or a norm).
 ``param_groups``
     the hyperparameters of each parameter group of ``strategy.optimizer`` at
     the run's first step (after a resume loaded its state), ``lr`` apart.
@@ -308,8 +310,8 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
     return {
         # The dtypes that reductions of more than one element carried in the forward/backward windows.
         "reduction_dtypes": dict(Counter(dtype for t, dtype in reductions if inside(t, windows))),
-        # Reductions of more than one element inside the strategy's clip_grad_norm (a norm is one element).
-        "reductions_in_clip": sum(1 for t, _ in reductions if inside(t, clips)),
+        # Reductions (all-reduce, reduce-scatter, reduce) called inside the strategy's clip_grad_norm.
+        "reductions_in_clip": sum(1 for t, kind in calls if kind in GRADIENT_SYNC_KINDS and inside(t, clips)),
         "total": dict(total),
         "per_step": per_step,
         "gradient_sync_per_step": [sum(s.get(k, 0) for k in GRADIENT_SYNC_KINDS) for s in per_step],
@@ -319,8 +321,15 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
     }
 
 
+def records_payloads(scenario: Any) -> bool:
+    """Whether a run of ``scenario`` records each collective's payload (``record_shapes``, about a third more
+    time per run): in every mixed-precision scenario, where the reduction dtype is checked, and in ``plain``,
+    which shows it for fp32."""
+    return scenario.precision != "32-true" or scenario.name == "plain"
+
+
 @contextlib.contextmanager
-def profile_collectives(enabled: bool) -> Iterator[list[Any]]:
+def profile_collectives(enabled: bool, *, shapes: bool = False) -> Iterator[list[Any]]:
     out: list[Any] = []
     if not enabled:
         yield out
@@ -332,7 +341,7 @@ def profile_collectives(enabled: bool) -> Iterator[list[Any]]:
     # profiler starts, so setting it here is enough; a user's setting wins.
     os.environ.setdefault("KINETO_LOG_LEVEL", "99")
     # record_shapes: the dtype and size of each collective's payload (``reduction_dtypes``).
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=False) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes, with_stack=False) as prof:
         yield out
     out.append(prof)
 
