@@ -262,6 +262,9 @@ SCENARIOS: tuple[Scenario, ...] = (
         model="dropout_blocks",
         optimizer="sgd",
         accumulate_grad_batches=2,
+        # Other masks in the recompute change the first step's gradients: three steps show it (180x the
+        # tolerance after six with preserve_rng_state=False), at half the cost of every strategy's six.
+        max_steps=3,
         runs=(
             Run("off", "reference"),
             Run("off", "strategy"),
