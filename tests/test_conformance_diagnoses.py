@@ -1,9 +1,9 @@
 """Diagnoses decided by direct evidence (``conformance_broken_diagnoses``), with a correct control.
 
-One suite run (module fixture, 2-rank gloo worlds) certifies nine strategies, each plain data parallel
-with one defect the suite used to name wrongly, and the control. Every broken one is not certified and
+One suite run (module fixture, 2-rank gloo worlds) certifies eleven strategies, each plain data parallel
+with one defect the suite used to name wrongly or did not see, and the control. Every broken one is not certified and
 its diagnosis names its rule; the deciding check is categorical (collectives, key sets, parameter
-groups, an error) or falls at least 10x outside its tolerance. Evidence: where gradient-sized
+groups, an error) or falls at least 10x outside its tolerance. Evidence: where the
 reductions ran and in which dtype (the process group's own record), the state-dict key sets, the
 optimizer's parameter groups, a scenario at another accumulation (accumulation = world size = 2 is
 ambiguous), the counter of a buffer, the grad norm against the clip value, the error of a resume.

@@ -381,12 +381,14 @@ def test_reduction_dtype_and_param_groups_name_their_own_divergences() -> None:
 
 
 def test_state_dict_keys_names_a_wrapper_prefix() -> None:
-    keys = div("state", quantity="state_dict keys", step=None, expected="missing ['0.bias', '0.weight']")
-    keys.got = "extra ['module.0.bias', 'module.0.weight']"
-    found = reported.state_dict_keys(evidence("plain", [keys]))
+    model = {"0.bias": torch.zeros(1), "0.weight": torch.zeros(1)}
+    prefixed = {f"module.{k}": v for k, v in model.items()}
+    keys = div("state", quantity="state_dict keys", step=None, against="reference:main")
+    found = reported.state_dict_keys(evidence("plain", [keys], {"main": _ok(prefixed)}, {"main": _ok(model)}))
     assert rule_of(found) == "state_dict_keys" and "'module.'" in found[2]
-    renamed = div("state", quantity="state_dict keys", step=None, expected="missing ['0.bias']", got="extra ['x']")
-    assert "prefix" not in reported.state_dict_keys(evidence("plain", [renamed]))[2]
+    renamed = {"0.weight": torch.zeros(1), "x": torch.zeros(1)}
+    e = evidence("plain", [keys], {"main": _ok(renamed)}, {"main": _ok(model)})
+    assert "prefix" not in reported.state_dict_keys(e)[2]
     # Near miss: values differ under the same names.
     assert reported.state_dict_keys(evidence("plain", [div("state", quantity="state['0.weight']")])) is None
 

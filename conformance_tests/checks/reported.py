@@ -91,6 +91,11 @@ def check_param_groups(c: Checker, label: str, trace: dict[str, Any], reference:
 ROUNDTRIP_MATCH = 1e-9
 
 
+def _relative(saved: dict[str, Any], loaded: dict[str, Any]) -> float:
+    """The relative difference of one entry's sum of absolute values, saved against loaded."""
+    return abs(saved["total"] - loaded["total"]) / max(abs(saved["total"]), 1e-30)
+
+
 def roundtrip_differences(saved: dict[str, Any], loaded: dict[str, Any]) -> list[str]:
     """What the loaded optimizer state lacks or changed against the saved one (empty when equal)."""
     out = []
@@ -105,7 +110,7 @@ def roundtrip_differences(saved: dict[str, Any], loaded: dict[str, Any]) -> list
             out.append(f"{key}: {a['count']} entries saved, {b['count']} loaded")
         elif a["scalars"] != b["scalars"]:
             out.append(f"{key}: values {a['scalars'][:4]} saved, {b['scalars'][:4]} loaded")
-        elif abs(a["total"] - b["total"]) > ROUNDTRIP_MATCH * max(abs(a["total"]), 1e-30):
+        elif _relative(a, b) > ROUNDTRIP_MATCH:
             out.append(f"{key}: sum of |values| {a['total']:.12g} saved, {b['total']:.12g} loaded")
     return out
 
@@ -125,10 +130,7 @@ def check_optimizer_roundtrip(c: Checker, run: Any, label: str, trace: dict[str,
         if differences:
             # Numeric when only sums differ (the deciding check's margin): their largest relative difference.
             shared = [k for k in saved if k in loaded and saved[k]["dtypes"] == loaded[k]["dtypes"]]
-            relative = max(
-                (abs(saved[k]["total"] - loaded[k]["total"]) / max(abs(saved[k]["total"]), 1e-30) for k in shared),
-                default=0.0,
-            )
+            relative = max((_relative(saved[k], loaded[k]) for k in shared), default=0.0)
             numeric = relative > ROUNDTRIP_MATCH
             c.fail(
                 label,

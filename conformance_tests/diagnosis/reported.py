@@ -2,14 +2,12 @@
 
 Each decides from direct evidence: the dtype the gradient reductions carried,
 the optimizer's parameter groups, the state-dict key sets, where the
-gradient-sized reductions ran (inside ``clip_grad_norm``), the grad norm the
+reductions ran (inside ``clip_grad_norm``), the grad norm the
 strategy returned against the clip value, the initial value of a frozen
 parameter, the count of an integer buffer.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -62,8 +60,10 @@ def state_dict_keys(e: Evidence) -> Finding | None:
     d = next((x for x in e.by_kind.get("state", []) if x.quantity == "state_dict keys"), None)
     if d is None:
         return None
-    missing = _names(d.expected, "missing ")
-    extra = _names(d.got, "extra ")
+    # The key sets themselves, from the two runs' final states.
+    got = set((e.trace_of(d.run) or {}).get("state") or {})
+    want = set((e.trace_of(d.against or "") or {}).get("state") or {})
+    missing, extra = sorted(want - got), sorted(got - want)
     prefix = _prefix(missing, extra)
     what = (
         f"every key carries the prefix {prefix!r} (a wrapper's name, as DistributedDataParallel's 'module.')"
@@ -78,20 +78,8 @@ def state_dict_keys(e: Evidence) -> Finding | None:
     )
 
 
-def _names(text: Any, lead: str) -> list[str]:
-    import ast
-
-    if not isinstance(text, str) or not text.startswith(lead):
-        return []
-    try:
-        value = ast.literal_eval(text[len(lead) :])
-    except (ValueError, SyntaxError):
-        return []
-    return [str(x) for x in value] if isinstance(value, list) else []
-
-
 def clip_before_sync(e: Evidence) -> Finding | None:
-    """Gradient-sized reductions ran inside clip_grad_norm and no gradient collective in forward/backward."""
+    """Reductions ran inside clip_grad_norm and no gradient collective in forward/backward."""
     for label, trace in sorted(e.strat.items()):
         ranks = trace.get("ranks") or [trace]
         coll = [r.get("collectives") or {} for r in ranks]
@@ -104,8 +92,8 @@ def clip_before_sync(e: Evidence) -> Finding | None:
             return (
                 "clip_before_sync",
                 d,
-                f"strategy:{label} reduced gradient-sized tensors only inside clip_grad_norm ({in_clip} reductions "
-                "over its ranks, none in forward/backward): each replica measured and clipped its own unsynchronised "
+                f"strategy:{label} reduced only inside clip_grad_norm ({in_clip} reductions over its ranks, no "
+                "gradient collective in forward/backward): each replica measured and clipped its own unsynchronised "
                 "gradients, by its local norm, and averaged them afterwards. Synchronise in backward (at the "
                 "boundary), then clip by the global norm of the synchronised gradients",
             )

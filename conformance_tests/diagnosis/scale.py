@@ -130,8 +130,10 @@ def _decide_by_other_scenario(e: Evidence, world: int) -> tuple[str, str] | None
         return None
     for name, runs in sorted(e.result.traces.items()):
         other = SCENARIOS_BY_NAME.get(name)
-        a = other.accumulate_grad_batches if other is not None else world
-        if name == e.scenario.name or a == world or other is None or other.loss != "mse":
+        if other is None or name == e.scenario.name or other.loss != "mse":
+            continue
+        a = other.accumulate_grad_batches
+        if a == world:
             continue
         mine, ref = (runs.get("main") or {}), (e.reference.get(name, {}).get("main") or {})
         if mine.get("status") != "ok" or int(mine.get("world_size") or 1) != world:

@@ -15,6 +15,9 @@ undeclared_refusal        undeclared_refusal        the strategy refused somethi
                                                     supports (before the process group, or a resume
                                                     refused with a ConfigurationError /
                                                     NotImplementedError while it declares resume)
+plugin_rng                plugin_rng                a run failed with the RNG guard's PluginError: a
+                                                    lifecycle plugin drew from or reseeded a global
+                                                    generator (``UNISON_CHECK_PLUGIN_RNG=1``)
 run_error                 error                     a run raised after setup started (or its world
                                                     died)
 declaration               declaration               a precision declaration the Trainer does not honour
@@ -32,9 +35,6 @@ param_groups              param_groups              the optimizer the strategy s
                                                     the parameter groups the user's factory built
 state_dict_keys           state_dict_keys           the canonical state's key set is not the model's
                                                     (a wrapper's ``module.`` prefix, renamed keys)
-plugin_rng                plugin_rng                a run failed with the RNG guard's PluginError: a
-                                                    lifecycle plugin drew from or reseeded a global
-                                                    generator (``UNISON_CHECK_PLUGIN_RNG=1``)
 validation                validation                only val/loss differs (training matches): not the
                                                     per-sample mean over all replicas
 hard_coded_divisor        hard_coded_divisor        one fixed divisor D (not 1) explains the grad-norm
@@ -74,8 +74,8 @@ buffers_within_first_step buffers                   the first micro-batch matche
                                                     same step does not (only forward-side state changed)
 stale_buffers             buffers                   buffers differ and the strategy's still hold their
                                                     initial values at a checkpoint
-clip_before_sync          clip_before_sync          gradient-sized reductions ran only inside
-                                                    ``clip_grad_norm``, none in forward/backward: each
+clip_before_sync          clip_before_sync          reductions ran inside ``clip_grad_norm`` and no
+                                                    gradient collective in forward/backward: each
                                                     replica clipped by its local norm, then averaged
 reported_grad_norm        reported_grad_norm        every grad norm that differs equals the clip value
                                                     where the reference's is above it, the losses and
