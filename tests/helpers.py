@@ -166,3 +166,57 @@ def suite_report_dir(tmp_path_factory: Any, name: str) -> Any:
     path = Path(root) / name
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def mutation_suite(
+    tmp_path_factory: Any,
+    name: str,
+    strategies: Any,
+    *,
+    plugin: str,
+    scenarios: Any,
+    world_size: int = 2,
+    timeout: int = 300,
+) -> Any:
+    """One suite run of deliberately broken strategies and their control from ``plugin`` (a module-scoped
+    fixture's body): certified on ``scenarios``, the report written where :func:`suite_report_dir` says."""
+    from unison.conformance.certification import certify
+    from unison.conformance.suite import Suite
+
+    with Suite(
+        world_size=world_size,
+        scenarios=list(scenarios),
+        plugins=[plugin],
+        timeout=timeout,
+        workdir=tmp_path_factory.mktemp(f"conformance-{name}"),
+    ) as suite:
+        return certify(list(strategies), suite=suite, report_dir=suite_report_dir(tmp_path_factory, name))
+
+
+def assert_diagnosed(report: Any, name: str, scenario: str, rule: str, *, categorical: bool = False) -> None:
+    """``name`` failed ``scenario``, diagnosed ``rule``, not certified; the deciding check at least 10x outside
+    its tolerance (or, with ``categorical``, no numeric check deciding: margin ``None``)."""
+    from unison.conformance.verdict import FAIL
+
+    v = report.verdicts[name][scenario]
+    assert v.status == FAIL, v.summary()
+    assert v.diagnosis is not None and v.diagnosis.rule == rule, v.diagnosis and v.diagnosis.message()
+    if not (categorical and v.margin is None):
+        assert v.margin is not None and v.margin >= 10, (v.margin, v.divergences[0].message())
+    assert not report.certificate(name).certified
+
+
+def assert_mutation_score(report: Any, expected: dict[str, tuple[str, str]], control: str) -> Any:
+    """The mutation score over ``expected`` (name -> (scenario, rule)): every one caught and diagnosed with
+    its rule, the control certified. Returns the :class:`~unison.conformance.mutation.MutationScore` (its
+    line printed)."""
+    from unison.conformance.mutation import score
+    from unison.conformance.report import _sanitize
+
+    rules = {name: rule for name, (_, rule) in expected.items()}
+    result = score(_sanitize(report.to_dict()), list(expected), controls=[control], rules=rules)
+    line = result.line()
+    print(line)
+    assert result.ok and len(result.caught) == len(expected), line
+    assert f"diagnoses {len(expected)} of {len(expected)} right" in line, line
+    return result

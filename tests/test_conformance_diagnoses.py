@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import pytest
 
-from unison.conformance.certification import certify
 from unison.conformance.report import SuiteReport
-from unison.conformance.suite import Suite
 from unison.conformance.verdict import FAIL, PASS
 
-from helpers import suite_report_dir
+from helpers import assert_diagnosed, assert_mutation_score, mutation_suite
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -52,25 +50,13 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> SuiteReport:
-    with Suite(
-        world_size=2,
-        scenarios=SCENARIOS,
-        plugins=[PLUGIN],
-        timeout=300,
-        workdir=tmp_path_factory.mktemp("conformance-diagnoses"),
-    ) as suite:
-        return certify([CONTROL, *EXPECTED], suite=suite, report_dir=suite_report_dir(tmp_path_factory, "diagnoses"))
+    return mutation_suite(tmp_path_factory, "diagnoses", [CONTROL, *EXPECTED], plugin=PLUGIN, scenarios=SCENARIOS)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_the_diagnosis_names_the_rule_from_direct_evidence(report, name):
-    scenario, rule = EXPECTED[name]
-    v = report.verdicts[name][scenario]
-    assert v.status == FAIL, v.summary()
-    assert v.diagnosis is not None and v.diagnosis.rule == rule, v.diagnosis and v.diagnosis.message()
     # Categorical (no numeric divergence decides) or at least 10x outside the tolerance.
-    assert v.margin is None or v.margin >= 10, (v.margin, v.divergences[0].message())
-    assert not report.certificate(name).certified
+    assert_diagnosed(report, name, *EXPECTED[name], categorical=True)
 
 
 def test_accumulation_equal_to_the_world_size_is_decided_by_another_scenario(report):
@@ -108,11 +94,8 @@ def test_mutation_score_names_every_rule(report):
     from unison.conformance.mutation import score
     from unison.conformance.report import _sanitize
 
-    rules = {name: rule for name, (_, rule) in EXPECTED.items()}
-    result = score(_sanitize(report.to_dict()), list(EXPECTED), controls=[CONTROL], rules=rules)
-    line = result.line()
-    print(line)
-    assert result.ok and f"diagnoses {len(EXPECTED)} of {len(EXPECTED)} right" in line, line
+    assert_mutation_score(report, EXPECTED, CONTROL)
     # A wrong expectation is reported and fails the score.
+    rules = {name: rule for name, (_, rule) in EXPECTED.items()}
     wrong = score(_sanitize(report.to_dict()), list(EXPECTED), controls=[CONTROL], rules={**rules, "x": "y"})
     assert not wrong.ok and "x diagnosed nothing, not y" in wrong.line()

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from unison.conformance.certification import certify
 from unison.conformance.report import SuiteReport
-from unison.conformance.suite import Suite
 from unison.conformance.verdict import FAIL, PASS
 
-from helpers import suite_report_dir
+from helpers import assert_diagnosed, assert_mutation_score, mutation_suite
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -38,24 +36,12 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> SuiteReport:
-    with Suite(
-        world_size=2,
-        scenarios=SCENARIOS,
-        plugins=[PLUGIN],
-        timeout=300,
-        workdir=tmp_path_factory.mktemp("conformance-rules"),
-    ) as suite:
-        return certify([CONTROL, *EXPECTED], suite=suite, report_dir=suite_report_dir(tmp_path_factory, "rules"))
+    return mutation_suite(tmp_path_factory, "rules", [CONTROL, *EXPECTED], plugin=PLUGIN, scenarios=SCENARIOS)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_the_diagnosis_names_the_broken_rule_by_a_wide_margin(report, name):
-    scenario, rule = EXPECTED[name]
-    v = report.verdicts[name][scenario]
-    assert v.status == FAIL, v.summary()
-    assert v.diagnosis is not None and v.diagnosis.rule == rule, v.diagnosis and v.diagnosis.message()
-    assert v.margin is not None and v.margin >= 10, (v.margin, v.divergences[0].message())
-    assert not report.certificate(name).certified
+    assert_diagnosed(report, name, *EXPECTED[name])
 
 
 def test_the_correct_control_is_certified_on_the_same_scenarios(report):
@@ -84,17 +70,9 @@ def test_a_fixed_divisor_is_named_from_two_world_sizes(report):
 
 
 def test_mutation_score_every_rule_caught_by_a_wide_margin(report):
-    from unison.conformance.mutation import score
-    from unison.conformance.report import _sanitize
-
-    rules = {name: rule for name, (_, rule) in EXPECTED.items()}
-    result = score(_sanitize(report.to_dict()), list(EXPECTED), controls=[CONTROL], rules=rules)
-    line = result.line()
-    print(line)
-    assert result.ok and len(result.caught) == len(EXPECTED), line
-    assert f"diagnoses {len(EXPECTED)} of {len(EXPECTED)} right" in line, line
+    result = assert_mutation_score(report, EXPECTED, CONTROL)
     _, margin = result.smallest_margin
-    assert margin >= 10, line
+    assert margin >= 10, result.line()
 
 
 def test_a_clipping_reference_that_never_stays_under_the_clip_value_breaks_the_premise(report):

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from unison.conformance.certification import certify
 from unison.conformance.report import SuiteReport
-from unison.conformance.suite import Suite
-from unison.conformance.verdict import FAIL, PASS
+from unison.conformance.verdict import PASS
 
-from helpers import suite_report_dir
+from helpers import assert_diagnosed, mutation_suite
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(1200)]
 
@@ -33,24 +31,20 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> SuiteReport:
-    with Suite(
-        world_size=4,
+    return mutation_suite(
+        tmp_path_factory,
+        "rules-w4",
+        [CONTROL, *EXPECTED],
+        plugin=PLUGIN,
         scenarios=SCENARIOS,
-        plugins=[PLUGIN],
+        world_size=4,
         timeout=600,
-        workdir=tmp_path_factory.mktemp("conformance-rules-w4"),
-    ) as suite:
-        return certify([CONTROL, *EXPECTED], suite=suite, report_dir=suite_report_dir(tmp_path_factory, "rules-w4"))
+    )
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_world_4_names_the_broken_rule_by_a_wide_margin(report, name):
-    scenario, rule = EXPECTED[name]
-    v = report.verdicts[name][scenario]
-    assert v.status == FAIL, v.summary()
-    assert v.diagnosis is not None and v.diagnosis.rule == rule, v.diagnosis and v.diagnosis.message()
-    assert v.margin is not None and v.margin >= 10, (v.margin, v.divergences[0].message())
-    assert not report.certificate(name).certified
+    assert_diagnosed(report, name, *EXPECTED[name])
 
 
 def test_the_fixed_divisor_is_read_from_the_ratio_at_world_4(report):
