@@ -22,7 +22,7 @@ from unison.conformance.scenarios import SCENARIOS_BY_NAME
 from unison.conformance.suite import Suite
 from unison.conformance.verdict import DECLARED_OUT, FAIL, PASS
 
-from helpers import suite_report_dir
+from helpers import mutation_suite, suite_report_dir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
@@ -43,14 +43,7 @@ BROKEN = [
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> SuiteReport:
-    with Suite(
-        world_size=2,
-        scenarios=SCENARIOS,
-        plugins=[PLUGIN],
-        timeout=300,
-        workdir=tmp_path_factory.mktemp("conformance-broken"),
-    ) as suite:
-        return certify(BROKEN, suite=suite, report_dir=suite_report_dir(tmp_path_factory, "broken"))
+    return mutation_suite(tmp_path_factory, "broken", BROKEN, plugin=PLUGIN, scenarios=SCENARIOS)
 
 
 def _statuses(report: SuiteReport, name: str) -> dict[str, str]:
