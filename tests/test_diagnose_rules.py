@@ -512,3 +512,33 @@ def test_roundtrip_differences_name_each_entry() -> None:
     assert roundtrip_differences(saved, {"step": saved["step"]}) == ["exp_avg: not restored"]
     halved = {**saved, "exp_avg": {**saved["exp_avg"], "dtypes": ["bfloat16"]}}
     assert roundtrip_differences(saved, halved) == ["exp_avg: dtype float32 saved, bfloat16 loaded"]
+
+
+def test_param_groups_compare_the_hyperparameters_both_optimizers_have() -> None:
+    from unison.conformance.checks.numeric import Checker
+    from unison.conformance.checks.reported import check_param_groups
+    from unison.conformance.verdict import TOLERANCES
+
+    def failures(groups_per_rank: list[list[dict[str, Any]]]) -> list[str]:
+        c = Checker(SCENARIOS_BY_NAME["lr_scheduler"], TOLERANCES["32-true"])
+        check_param_groups(c, "strategy:main", {"ranks": [{"param_groups": g} for g in groups_per_rank]}, reference)
+        return [d.quantity for d in c.divergences]
+
+    adamw = {"betas": [0.9, 0.999], "eps": 1e-8, "amsgrad": False, "maximize": False}
+    reference = {"param_groups": [{**adamw, "weight_decay": 0.1}, {**adamw, "weight_decay": 0.0}]}
+    # Another Adam class built from the factory's groups, without amsgrad/maximize: the same groups.
+    fused = [
+        {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.1},
+        {"betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0},
+    ]
+    assert failures([fused, fused]) == []
+    # Sharded: each rank steps one of the groups; together they are the factory's.
+    assert failures([fused[:1], fused[1:]]) == []
+    # Rebuilt from module.parameters(): one group with the default decay.
+    assert failures([[{**adamw, "weight_decay": 0.01}]] * 2) == ["parameter groups on rank 0"]
+    # One group lost on every rank.
+    assert failures([fused[:1], fused[:1]]) == ["parameter groups over all ranks"]
+    # No optimizer recorded.
+    c = Checker(SCENARIOS_BY_NAME["lr_scheduler"], TOLERANCES["32-true"])
+    check_param_groups(c, "strategy:main", {"ranks": [{}]}, reference)
+    assert [d.quantity for d in c.divergences] == ["parameter groups on rank 0"]

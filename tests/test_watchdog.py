@@ -156,6 +156,26 @@ def test_a_frozen_store_host_is_named(tmp_path, monkeypatch):
         host.wait()
 
 
+def test_a_woken_store_host_is_reported_where_it_froze_not_by_a_stale_or_later_beat(monkeypatch):
+    """After SIGCONT, the woken store's first answer for rank 0's heartbeat key can be a beat from before
+    the freeze that rank 1 never read (here: step 0, setup). The peer reports the record rank 0 publishes
+    on waking, under its woke key (step 6), and falls back to the newer beat only when none comes."""
+    import unison.launch.watchdog as watchdog_module
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    dog = Watchdog(2.0, 1, 2, store=store, interval=0.2)
+    dog._detector = StallDetector(2, 2.0, time.monotonic())
+    host = Watchdog(2.0, 0, 2, store=store, interval=0.2)
+    host._publish("running")  # beat 1, read by rank 1
+    dog._detector.observe(0, json.loads(store.get(dog._key(0))), time.monotonic())
+    host._publish("running")  # beat 2, just before the freeze: never read by rank 1
+    monkeypatch.setattr(watchdog_module, "FRESH_WAIT_S", 0.6)
+    assert dog._fresh_record(0)["beat"] == 2  # no woke record: the newer beat
+    host._publish("running", at=((6, "forward_backward"), None), key=host._woke_key(0))
+    record = dog._fresh_record(0)
+    assert (record["step"], record["phase"]) == (6, "forward_backward")
+
+
 # --------------------------------------------------------------------------- #
 # Bad input
 # --------------------------------------------------------------------------- #

@@ -293,13 +293,18 @@ class Watchdog:
     def _key(self, rank: int) -> str:
         return f"{self.prefix}/{rank}"
 
-    def _publish(self, state: str, at: tuple[tuple[int, str], Any] | None = None) -> None:
-        """Publish this rank's record: where it is now, or ``at`` (a position and last collective) if given."""
+    def _woke_key(self, rank: int) -> str:
+        """Where a frozen store host publishes where it froze, once, as it wakes."""
+        return f"{self.prefix}/{rank}/woke"
+
+    def _publish(self, state: str, at: tuple[tuple[int, str], Any] | None = None, key: str | None = None) -> None:
+        """Publish this rank's record: where it is now, or ``at`` (a position and last collective) if given;
+        under ``key`` if given (default: this rank's heartbeat key)."""
         self._beat_count += 1
         (step, phase), collective = at if at is not None else (self.where, collectives.RECORDER.describe())
         record = {"beat": self._beat_count, "step": step, "phase": phase, "state": state, **self._identity}
         record["collective"] = collective  # the last one this rank entered
-        self.store.set(self._key(self.rank), json.dumps(record))
+        self.store.set(key or self._key(self.rank), json.dumps(record))
 
     def _read(self) -> dict[int, dict[str, Any]]:
         keys = [self._key(r) for r in range(self.world_size)]
@@ -347,9 +352,11 @@ class Watchdog:
                 before = self.frozen_at(now)
                 if self.store_host_rank == self.rank:
                     # Its peers cannot read while the store is frozen with this process: where it froze
-                    # goes to the store first, for the peer that continued it to report.
+                    # goes to the store first, under a key of its own (the heartbeat key may still hold
+                    # a beat from before the freeze, or soon one from after it), for the peer that
+                    # continued it to report.
                     with contextlib.suppress(Exception):
-                        self._publish(_RUNNING, at=before)
+                        self._publish(_RUNNING, at=before, key=self._woke_key(self.rank))
                     self._linger = HOST_LINGER_S
                 (step, phase), collective = before
                 self._stalled(
@@ -399,8 +406,12 @@ class Watchdog:
             return report + "; " + self._positions(detector, others)
 
     def _fresh_record(self, rank: int) -> dict[str, Any] | None:
-        """``rank``'s next heartbeat after it was continued (it publishes where it froze as it wakes, and
-        lingers :data:`HOST_LINGER_S` for it to be read), or ``None`` if none comes within ``FRESH_WAIT_S``."""
+        """Where ``rank`` froze, as it publishes on waking after it was continued (under its woke key, and
+        lingers :data:`HOST_LINGER_S` for it to be read); failing that within ``FRESH_WAIT_S``, its latest
+        heartbeat newer than the last one seen; ``None`` if neither comes.
+
+        The heartbeat key alone would race: the first answer of a woken store can be a beat published
+        just before the freeze that this rank had not read yet, or one published after the wake."""
         with self._lock:
             seen = self._detector.seen.get(rank)
             old = seen.beat if seen is not None else None
@@ -411,13 +422,16 @@ class Watchdog:
             # frozen, and a c10d client that timed out can read the late answer as the next one's.
             with contextlib.suppress(Exception):
                 store = store_client(FRESH_WAIT_S)
+        newer: dict[str, Any] | None = None
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):  # the store may still be waking, or already gone
+                if store.check([self._woke_key(rank)]):
+                    return json.loads(bytes(store.get(self._woke_key(rank))).decode())
                 record = json.loads(bytes(store.get(self._key(rank))).decode())
                 if record.get("beat") != old:
-                    return record
+                    newer = record
             time.sleep(0.02)
-        return None
+        return newer
 
     def _positions(self, detector: StallDetector, others: list[int]) -> str:
         parts = [self._here()]
