@@ -45,6 +45,7 @@ from unison.conformance.trace import (
     analyse_collectives,
     instrument,
     profile_collectives,
+    records,
     records_payloads,
 )
 from unison.conformance.validation import validation_data
@@ -193,7 +194,7 @@ def execute_run(
             data_parallel_size=trainer.strategy.data_parallel_size(torch.distributed.get_world_size())
             if dist_on
             else 1,
-            collectives=analyse_collectives(prof_box[0].events()) if prof_box else None,
+            collectives=analyse_collectives(records(prof_box[0])) if prof_box else None,
             state=trainer.full_state_dict(),
             buffer_snapshots=recorder.buffer_snapshots,
             validations=recorder.validations,

@@ -88,9 +88,10 @@ def optimizer_state_summary(optimizer: Any) -> dict[str, Any] | None:
 
 
 def payload(event: Any) -> tuple[str, int] | None:
-    """``(dtype, elements)`` of a backend's collective record (``gloo:all_reduce``), or ``None``."""
-    dtypes = getattr(event, "input_dtypes", None) or []
-    shapes = getattr(event, "input_shapes", None) or []
+    """``(dtype, elements)`` of a backend's collective record (``gloo:all_reduce``), or ``None``; ``event``
+    has the profiler's ``shapes`` and ``dtypes`` (:class:`unison.conformance.trace.Record`)."""
+    dtypes = list(getattr(event, "dtypes", None) or [])
+    shapes = list(getattr(event, "shapes", None) or [])
     if not dtypes or not shapes or not isinstance(shapes[0], list):
         return None
     numel = 1

@@ -6,13 +6,11 @@ every micro-step) and of the broken compositions (tests/test_conformance_broken_
 
 from __future__ import annotations
 
-import types
-
-from unison.conformance.trace import MICRO_MARK, NO_SYNC_MARK, STEP_MARK, analyse_collectives
+from unison.conformance.trace import MICRO_MARK, NO_SYNC_MARK, STEP_MARK, Record, analyse_collectives
 
 
-def event(name: str, start: float, end: float) -> types.SimpleNamespace:
-    return types.SimpleNamespace(name=name, time_range=types.SimpleNamespace(start=start, end=end))
+def event(name: str, start: float, end: float) -> Record:
+    return Record(name, start, end)
 
 
 def test_collectives_inside_a_functional_collective_are_not_gradient_syncs():
