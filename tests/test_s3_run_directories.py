@@ -118,6 +118,8 @@ def test_a_failed_final_upload_keeps_the_local_copy(tmp_path, monkeypatch):
     try:
         for name, value in server.env().items():
             monkeypatch.setenv(name, value)
+        # The final upload retries a refused connection for this long, then keeps the local copy.
+        monkeypatch.setenv("UNISON_STORAGE_RETRY_S", "3")
         run = RunDirectory(f"s3://{s3_server.BUCKET}/runs/gone", upload_every_s=3600)
 
         class StopServer:
