@@ -16,7 +16,8 @@ scenario is in :mod:`~unison.conformance.spec`, its models and data in
 :mod:`~unison.conformance.models` and :mod:`~unison.conformance.data`),
 :mod:`~unison.conformance.suite` (one world per strategy, the reference in this
 process; phases in :mod:`~unison.conformance.worlds`, one fit in
-:mod:`~unison.conformance.execution`, traces in :mod:`~unison.conformance.trace`),
+:mod:`~unison.conformance.execution`, traces in :mod:`~unison.conformance.trace`, collectives in
+:mod:`~unison.conformance.profiling`),
 :mod:`~unison.conformance.compare` (judging a scenario; the checks in
 :mod:`~unison.conformance.checks`, tolerances and verdicts in
 :mod:`~unison.conformance.verdict`), :mod:`~unison.conformance.diagnosis.table` (the

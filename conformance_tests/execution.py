@@ -38,16 +38,16 @@ import unison
 from unison.conformance.data import Sizing
 from unison.conformance.feature_probes import FeatureProbe
 from unison.conformance.models import OPTIMIZERS, SCHEDULERS, build_model, loss_fn, perturb, training_step
-from unison.conformance.sensitivity import PrecisionProbe, probes_apply
-from unison.conformance.spec import Run, Scenario
-from unison.conformance.trace import (
-    TraceRecorder,
+from unison.conformance.profiling import (
     analyse_collectives,
     instrument,
     profile_collectives,
     records,
     records_payloads,
 )
+from unison.conformance.sensitivity import PrecisionProbe, probes_apply
+from unison.conformance.spec import Run, Scenario
+from unison.conformance.trace import TraceRecorder
 from unison.conformance.validation import validation_data
 from unison.conformance.workloads import huggingface_slice_mean, token_loss, token_slice_mean
 from unison.contract.ownership import STANDARD_PRECISIONS, WorldSizes

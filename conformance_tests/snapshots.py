@@ -89,7 +89,7 @@ def optimizer_state_summary(optimizer: Any) -> dict[str, Any] | None:
 
 def payload(event: Any) -> tuple[str, int] | None:
     """``(dtype, elements)`` of a backend's collective record (``gloo:all_reduce``), or ``None``; ``event``
-    has the profiler's ``shapes`` and ``dtypes`` (:class:`unison.conformance.trace.Record`)."""
+    has the profiler's ``shapes`` and ``dtypes`` (:class:`unison.conformance.profiling.Record`)."""
     dtypes = list(getattr(event, "dtypes", None) or [])
     shapes = list(getattr(event, "shapes", None) or [])
     if not dtypes or not shapes or not isinstance(shapes[0], list):

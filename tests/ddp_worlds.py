@@ -41,7 +41,7 @@ def gradient_allreduces(accumulate: int, *, broken_no_sync: bool = False, steps:
             loss_fn=torch.nn.functional.mse_loss,
             optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
         )
-    from unison.conformance.trace import redispatched
+    from unison.conformance.profiling import redispatched
 
     return sum(1 for e in prof.events() if e.name == "c10d::allreduce_" and not redispatched(e))
 

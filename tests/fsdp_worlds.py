@@ -92,7 +92,7 @@ class ReduceScatterCounter:
     @unison.hookimpl
     def unison_on_after_backward(self) -> None:
         self._prof.__exit__(None, None, None)
-        from unison.conformance.trace import redispatched
+        from unison.conformance.profiling import redispatched
 
         names = collections.Counter(e.name for e in self._prof.events() if not redispatched(e))
         self.per_step.append(

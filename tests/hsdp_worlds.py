@@ -9,7 +9,7 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile
 
 import unison
-from unison.conformance.trace import redispatched
+from unison.conformance.profiling import redispatched
 
 from fsdp_worlds import Footprint, _fit, wide_mlp
 from helpers import mlp, regression_data, train

@@ -6,7 +6,7 @@ every micro-step) and of the broken compositions (tests/test_conformance_broken_
 
 from __future__ import annotations
 
-from unison.conformance.trace import MICRO_MARK, NO_SYNC_MARK, STEP_MARK, Record, analyse_collectives
+from unison.conformance.profiling import MICRO_MARK, NO_SYNC_MARK, STEP_MARK, Record, analyse_collectives
 
 
 def event(name: str, start: float, end: float) -> Record:

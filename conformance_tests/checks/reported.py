@@ -24,7 +24,7 @@ element inside the forward/backward window (a gradient all-reduce or
 reduce-scatter) carries fp32 data on a flat data-parallel world. Recorded from
 the process group backend's own record of each collective (its payload's dtype
 and shape), as the sync checks count collectives, in the scenarios where
-:func:`~unison.conformance.trace.records_payloads` turns it on. A strategy that casts the
+:func:`~unison.conformance.profiling.records_payloads` turns it on. A strategy that casts the
 gradients to bf16 to halve the traffic while declaring a trainer-applied
 ``bf16-mixed`` rounds every reduction: its weights drift by about 1e-3 after a
 few steps, inside the bf16 tolerance, so only this check sees it. Engine- or

@@ -1,0 +1,303 @@
+"""The suite's record of the collectives of one fit: marks around the strategy's calls, the profiler's
+records of the ``c10d`` dispatcher operations, and their analysis into the trace's ``collectives`` entry.
+
+The ``collectives`` of a trace are the calls made on the real process group, counted from the ``c10d::*``
+dispatcher operations recorded by ``torch.profiler``. Why the profiler
+and not wrapped ``torch.distributed`` functions: DDP's reducer (and other
+C++ engines) call the ProcessGroup from C++ and never pass through the
+Python functions; every collective, from Python or C++, goes through the
+``c10d`` dispatcher ops. Counted per kind for the whole fit, per optimizer
+step inside the forward/backward window (``unison_on_train_step_start`` to
+``unison_on_after_backward``), and inside the strategy's ``no_sync()``.
+Per micro-step too (``gradient_sync_per_micro_step``): each micro-step's
+window runs from the end of the previous micro-step's ``backward`` (or the
+step's start) to the end of its own, so the suite can check the declared
+:class:`~unison.contract.ownership.GradSync` (boundary only, or every micro-step).
+A ``c10d`` call made inside one of DTensor's functional collectives
+(``_c10d_functional::*``, e.g. tensor parallel's all-reduce of a row-wise
+layer's output, or of a column-wise layer's input gradient) is counted
+apart, as ``functional:<kind>``, and is not a gradient sync: those run in
+every forward and backward by design and reduce activations, not the
+parameter gradients ``no_sync()`` defers (FSDP2, DDP and the engines
+synchronise gradients through ``c10d`` directly). A strategy that
+synchronised parameter gradients through DTensor redistribution would
+escape this count; its numbers are still compared.
+``reductions_in_clip`` counts the reductions called inside the strategy's
+``clip_grad_norm``. Where :func:`records_payloads` says so (the
+mixed-precision scenarios and ``plain``), ``record_shapes`` is on and each
+collective's payload (dtype, elements) is read from the backend's own
+record (``gloo:all_reduce``): ``reduction_dtypes`` counts the dtypes of
+reductions of more than one element inside the forward/backward windows
+(gradients, not a loss or a norm).
+
+The records are read from the profiler's raw (Kineto) results (:func:`records`), not from its
+``FunctionEvent`` tree, which costs about 0.4 s per run and rank to build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from unison.conformance.snapshots import PAYLOAD_PREFIXES, payload
+
+STEP_MARK = "unison.conformance::forward_backward"
+
+
+NO_SYNC_MARK = "unison.conformance::no_sync"
+
+
+MICRO_MARK = "unison.conformance::backward"
+
+
+CLIP_MARK = "unison.conformance::clip_grad_norm"
+
+
+#: The namespace of DTensor's functional collectives (``torch.distributed._functional_collectives``).
+FUNCTIONAL_PREFIX = "_c10d_functional::"
+
+
+#: ``c10d`` dispatcher op -> collective kind.
+COLLECTIVE_KINDS = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce",
+    "reduce_scatter_": "reduce_scatter",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allgather_": "all_gather",
+    "_allgather_base_": "all_gather",
+    "allgather_coalesced_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "broadcast_": "broadcast",
+    "reduce_": "reduce",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "alltoall_": "all_to_all",
+    "alltoall_base_": "all_to_all",
+    "barrier": "barrier",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+}
+
+
+#: The kinds that synchronise gradients (what ``no_sync`` must suppress):
+#: all-reduce (DDP), reduce-scatter (FSDP, ZeRO-2/3) and reduce to the
+#: owning rank (fairscale ShardedDataParallel).
+GRADIENT_SYNC_KINDS = ("all_reduce", "reduce_scatter", "reduce")
+
+
+def redispatched(event: Any) -> bool:
+    """Whether ``event`` is an op's second record: the op re-dispatched by a Python dispatch mode.
+
+    An op called under a ``TorchDispatchMode`` (the ``Throughput`` callback's
+    FLOP counter on a fit's second step, a user's own mode) is recorded twice
+    by the profiler: the call, and inside it (under ``PythonDispatchMode``)
+    the mode's call of the same op. One collective ran; the inner record has
+    an ancestor of the same name.
+    """
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None:
+        if parent.name == event.name:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One profiler record as :func:`analyse_collectives` reads it: name, start and end (ns), thread,
+    the payload's shapes and dtypes (empty without ``record_shapes``), and whether it is an op's second
+    record under a Python dispatch mode (:func:`redispatched`)."""
+
+    name: str
+    start: float
+    end: float
+    thread: int = 0
+    shapes: tuple[Any, ...] = ()
+    dtypes: tuple[str, ...] = ()
+    redispatched: bool = False
+
+
+def _wanted(name: str) -> bool:
+    return (
+        name in (STEP_MARK, NO_SYNC_MARK, CLIP_MARK, MICRO_MARK)
+        or name.startswith(("c10d::", FUNCTIONAL_PREFIX))
+        or (name.startswith(PAYLOAD_PREFIXES) and "reduce" in name)
+    )
+
+
+def records(prof: Any) -> list[Record]:
+    """The records :func:`analyse_collectives` reads, straight from the profiler's raw (Kineto) results.
+
+    ``prof.events()`` builds a ``FunctionEvent`` tree of every op in Python: about 0.4 s per run and rank
+    here, a third of a conformance run's time on these tiny models. The marks and collectives are a few
+    hundred of the ten thousand records; nesting (a re-dispatched ``c10d`` call inside one of the same
+    name on its thread) is read from their time spans.
+    """
+    kept = []
+    for e in prof.profiler.kineto_results.events():
+        name = e.name()
+        if _wanted(name):
+            shapes = tuple(e.shapes()) if name.startswith(PAYLOAD_PREFIXES) else ()
+            dtypes = tuple(e.dtypes()) if shapes else ()
+            kept.append(Record(name, e.start_ns(), e.end_ns(), e.start_thread_id(), shapes, dtypes))
+    calls = [r for r in kept if r.name.startswith("c10d::")]
+    out = []
+    for r in kept:
+        if r.name.startswith("c10d::") and any(
+            o is not r
+            and o.name == r.name
+            and o.thread == r.thread
+            and o.start <= r.start
+            and r.end <= o.end
+            and (o.start, -o.end) < (r.start, -r.end)
+            for o in calls
+        ):
+            r = dataclasses.replace(r, redispatched=True)
+        out.append(r)
+    return out
+
+
+def analyse_collectives(events: Any) -> dict[str, Any]:
+    """Count the collectives of one fit from its profiler :class:`Record` s (:func:`records`)."""
+    windows: list[tuple[float, float]] = []
+    no_sync: list[tuple[float, float]] = []
+    clips: list[tuple[float, float]] = []
+    backward_ends: list[float] = []
+    calls: list[tuple[float, str]] = []
+    functional: list[tuple[float, float]] = []
+    #: Reductions of more than one element (gradients, not a loss or a norm): (start, dtype).
+    reductions: list[tuple[float, str]] = []
+    for e in events:
+        name = e.name
+        if name.startswith(FUNCTIONAL_PREFIX) and not name.endswith("wait_tensor"):
+            functional.append((e.start, e.end))
+        if name == STEP_MARK:
+            windows.append((e.start, e.end))
+        elif name == NO_SYNC_MARK:
+            no_sync.append((e.start, e.end))
+        elif name == CLIP_MARK:
+            clips.append((e.start, e.end))
+        elif name == MICRO_MARK:
+            backward_ends.append(e.end)
+        elif name.startswith("c10d::") and not e.redispatched:
+            op = name[len("c10d::") :]
+            calls.append((e.start, COLLECTIVE_KINDS.get(op, f"other:{op}")))
+        elif name.startswith(PAYLOAD_PREFIXES) and "reduce" in name:
+            found = payload(e)
+            if found is not None and found[1] > 1:
+                reductions.append((e.start, found[0]))
+    windows.sort()
+
+    def inside(t: float, spans: list[tuple[float, float]]) -> bool:
+        return any(a <= t <= b for a, b in spans)
+
+    # Activation collectives of DTensor (tensor parallel): counted apart, never a gradient sync.
+    calls = [(t, f"functional:{kind}" if inside(t, functional) else kind) for t, kind in calls]
+    total = Counter(kind for _, kind in calls)
+
+    def grad_syncs(a: float, b: float, *, open_start: bool = False) -> int:
+        return sum(
+            1 for t, kind in calls if kind in GRADIENT_SYNC_KINDS and (a < t if open_start else a <= t) and t <= b
+        )
+
+    per_step = []
+    per_micro_step = []
+    backward_ends.sort()
+    for a, b in windows:
+        kinds = Counter(kind for t, kind in calls if a <= t <= b)
+        per_step.append(dict(kinds))
+        # Micro-step i: from the end of backward i-1 (or the step's start) to the end of backward i.
+        ends = [e for e in backward_ends if a <= e <= b]
+        micro, start = [], a
+        for i, end in enumerate(ends):
+            micro.append(grad_syncs(start, end, open_start=i > 0))
+            start = end
+        per_micro_step.append(micro)
+    grad_in_no_sync = sum(1 for t, kind in calls if kind in GRADIENT_SYNC_KINDS and inside(t, no_sync))
+    return {
+        # The dtypes that reductions of more than one element carried in the forward/backward windows.
+        "reduction_dtypes": dict(Counter(dtype for t, dtype in reductions if inside(t, windows))),
+        # Reductions (all-reduce, reduce-scatter, reduce) called inside the strategy's clip_grad_norm.
+        "reductions_in_clip": sum(1 for t, kind in calls if kind in GRADIENT_SYNC_KINDS and inside(t, clips)),
+        "total": dict(total),
+        "per_step": per_step,
+        "gradient_sync_per_step": [sum(s.get(k, 0) for k in GRADIENT_SYNC_KINDS) for s in per_step],
+        "gradient_sync_per_micro_step": per_micro_step,
+        "gradient_sync_in_no_sync": grad_in_no_sync,
+        "no_sync_entries": len(no_sync),
+    }
+
+
+def records_payloads(scenario: Any) -> bool:
+    """Whether a run of ``scenario`` records each collective's payload (``record_shapes``, about a third more
+    time per run): in every mixed-precision scenario, where the reduction dtype is checked, and in ``plain``,
+    which shows it for fp32."""
+    return scenario.precision != "32-true" or scenario.name == "plain"
+
+
+@contextlib.contextmanager
+def profile_collectives(enabled: bool, *, shapes: bool = False) -> Iterator[list[Any]]:
+    out: list[Any] = []
+    if not enabled:
+        yield out
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    # Kineto prints two "USDT ... profiler_start/stop" lines per profiled run
+    # on stderr; a suite profiles every run on every rank. Read when the
+    # profiler starts, so setting it here is enough; a user's setting wins.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "99")
+    # record_shapes: the dtype and size of each collective's payload (``reduction_dtypes``).
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=shapes, with_stack=False) as prof:
+        yield out
+    out.append(prof)
+
+
+def instrument(strategy: Any, boundaries: list[bool]) -> None:
+    """Observe ``no_sync``, ``backward``, ``clip_grad_norm`` and ``is_accumulation_boundary`` on this strategy
+    instance.
+
+    Instance attributes shadow the methods: the strategy's behaviour is
+    unchanged, the suite only marks the time spans and records the answers.
+    """
+    original_backward = strategy.backward
+
+    def backward(loss: Any) -> None:
+        with torch.autograd.profiler.record_function(MICRO_MARK):
+            original_backward(loss)
+
+    strategy.backward = backward
+    original_clip = strategy.clip_grad_norm
+
+    def clip_grad_norm(max_norm: Any) -> Any:
+        with torch.autograd.profiler.record_function(CLIP_MARK):
+            return original_clip(max_norm)
+
+    strategy.clip_grad_norm = clip_grad_norm
+    original_no_sync = getattr(strategy, "no_sync", None)
+    if original_no_sync is not None:
+
+        @contextlib.contextmanager
+        def no_sync() -> Iterator[Any]:
+            with torch.autograd.profiler.record_function(NO_SYNC_MARK), original_no_sync() as value:
+                yield value
+
+        strategy.no_sync = no_sync
+    original_boundary = getattr(strategy, "is_accumulation_boundary", None)
+    if original_boundary is None:
+        return
+
+    def is_accumulation_boundary() -> bool:
+        answer = bool(original_boundary())
+        boundaries.append(answer)
+        return answer
+
+    strategy.is_accumulation_boundary = is_accumulation_boundary
