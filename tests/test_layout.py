@@ -256,3 +256,20 @@ def test_a_package_s_exports_are_one_list(package, init):
         assert seen == exports
     for name, where in exports.items():  # every name is where the list says
         assert getattr(module, name) is getattr(importlib.import_module(where), name), name
+
+
+#: A module is about 400 lines at most; past this, its docstring says why it is one module ("... 400 lines").
+MODULE_LINES = 440
+
+
+def test_a_module_past_400_lines_says_why_in_its_docstring():
+    long = []
+    for tree in TREES:
+        for path in sorted((ROOT / tree).rglob("*.py")):
+            source = path.read_text()
+            if source.count("\n") <= MODULE_LINES:
+                continue
+            doc = ast.get_docstring(ast.parse(source)) or ""
+            if "400 lines" not in " ".join(doc.split()):
+                long.append(f"{path.relative_to(ROOT)} ({source.count(chr(10))} lines)")
+    assert long == [], "split these modules, or say in their docstring why each is one (past 400 lines)"
