@@ -1,4 +1,5 @@
-"""How the suite's trace classifies the collectives the profiler saw (events built by hand; no process runs).
+"""How the suite's trace classifies the collectives the profiler saw: records built by hand, and one real
+profile of a one-rank gloo world (no process is spawned).
 
 The end-to-end counterpart is the conformance of fsdp_tp (tensor parallel's activation all-reduces in
 every micro-step) and of the broken compositions (tests/test_conformance_broken_composed.py).
@@ -34,3 +35,38 @@ def test_collectives_inside_a_functional_collective_are_not_gradient_syncs():
     assert out["gradient_sync_in_no_sync"] == 0
     assert out["gradient_sync_per_micro_step"] == [[0, 2]]
     assert out["gradient_sync_per_step"] == [2]
+
+
+def test_records_read_a_real_profile_once_per_collective_with_its_payload(monkeypatch):
+    """A real (one-rank gloo) profile: an all-reduce under a Python dispatch mode (the ``Throughput``
+    callback's FLOP counter) is recorded twice by the profiler, and counted once; the backend's record gives
+    the payload's dtype and size."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from unison.conformance.profiling import records
+    from unison.conformance.snapshots import payload
+    from unison.launch.torchrun import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        x = torch.ones(4)
+        with (
+            profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof,
+            torch.autograd.profiler.record_function(STEP_MARK),
+        ):
+            with FlopCounterMode(display=False):
+                dist.all_reduce(x)
+            dist.all_reduce(x)
+    finally:
+        dist.destroy_process_group()
+    found = records(prof)
+    calls = [r for r in found if r.name == "c10d::allreduce_"]
+    assert [r.redispatched for r in calls] == [False, True, False]
+    assert analyse_collectives(found)["total"] == {"all_reduce": 2}
+    backend = [payload(r) for r in found if r.name == "gloo:all_reduce"]
+    assert backend and set(backend) == {("float32", 4)}
