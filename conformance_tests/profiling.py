@@ -93,28 +93,17 @@ COLLECTIVE_KINDS = {
 GRADIENT_SYNC_KINDS = ("all_reduce", "reduce_scatter", "reduce")
 
 
-def redispatched(event: Any) -> bool:
-    """Whether ``event`` is an op's second record: the op re-dispatched by a Python dispatch mode.
-
-    An op called under a ``TorchDispatchMode`` (the ``Throughput`` callback's
-    FLOP counter on a fit's second step, a user's own mode) is recorded twice
-    by the profiler: the call, and inside it (under ``PythonDispatchMode``)
-    the mode's call of the same op. One collective ran; the inner record has
-    an ancestor of the same name.
-    """
-    parent = getattr(event, "cpu_parent", None)
-    while parent is not None:
-        if parent.name == event.name:
-            return True
-        parent = parent.cpu_parent
-    return False
-
-
 @dataclasses.dataclass(frozen=True)
 class Record:
     """One profiler record as :func:`analyse_collectives` reads it: name, start and end (ns), thread,
     the payload's shapes and dtypes (empty without ``record_shapes``), and whether it is an op's second
-    record under a Python dispatch mode (:func:`redispatched`)."""
+    record under a Python dispatch mode.
+
+    An op called under a ``TorchDispatchMode`` (the ``Throughput`` callback's FLOP counter on a fit's
+    second step, a user's own mode) is recorded twice by the profiler: the call, and inside it (under
+    ``PythonDispatchMode``) the mode's call of the same op. One collective ran; the inner record is
+    ``redispatched``.
+    """
 
     name: str
     start: float
@@ -151,13 +140,13 @@ def records(prof: Any) -> list[Record]:
     calls = [r for r in kept if r.name.startswith("c10d::")]
     out = []
     for r in kept:
+        # An op's second record lies inside its first (same name, same thread, a wider span).
         if r.name.startswith("c10d::") and any(
-            o is not r
-            and o.name == r.name
+            o.name == r.name
             and o.thread == r.thread
             and o.start <= r.start
             and r.end <= o.end
-            and (o.start, -o.end) < (r.start, -r.end)
+            and (o.start, o.end) != (r.start, r.end)
             for o in calls
         ):
             r = dataclasses.replace(r, redispatched=True)

@@ -41,9 +41,9 @@ def gradient_allreduces(accumulate: int, *, broken_no_sync: bool = False, steps:
             loss_fn=torch.nn.functional.mse_loss,
             optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
         )
-    from unison.conformance.profiling import redispatched
+    from unison.conformance.profiling import records
 
-    return sum(1 for e in prof.events() if e.name == "c10d::allreduce_" and not redispatched(e))
+    return sum(1 for r in records(prof) if r.name == "c10d::allreduce_" and not r.redispatched)
 
 
 def overflow_data() -> torch.utils.data.TensorDataset:

@@ -92,9 +92,9 @@ class ReduceScatterCounter:
     @unison.hookimpl
     def unison_on_after_backward(self) -> None:
         self._prof.__exit__(None, None, None)
-        from unison.conformance.profiling import redispatched
+        from unison.conformance.profiling import records
 
-        names = collections.Counter(e.name for e in self._prof.events() if not redispatched(e))
+        names = collections.Counter(r.name for r in records(self._prof) if not r.redispatched)
         self.per_step.append(
             sum(n for name, n in names.items() if name.startswith("c10d::") and "reduce_scatter" in name)
         )

@@ -9,7 +9,7 @@ from typing import Any
 from torch.profiler import ProfilerActivity, profile
 
 import unison
-from unison.conformance.profiling import redispatched
+from unison.conformance.profiling import records
 
 from fsdp_worlds import Footprint, _fit, wide_mlp
 from helpers import mlp, regression_data, train
@@ -35,12 +35,12 @@ class CollectiveCounter:
     def unison_on_after_backward(self) -> None:
         self._prof.__exit__(None, None, None)
         counts: collections.Counter[str] = collections.Counter()
-        for e in self._prof.events():
-            if not e.name.startswith("c10d::") or redispatched(e):
+        for r in records(self._prof):
+            if not r.name.startswith("c10d::") or r.redispatched:
                 continue
-            if "reduce_scatter" in e.name:
+            if "reduce_scatter" in r.name:
                 counts["reduce_scatter"] += 1
-            elif "allreduce" in e.name or "all_reduce" in e.name:
+            elif "allreduce" in r.name or "all_reduce" in r.name:
                 counts["all_reduce"] += 1
         self.per_step.append(dict(counts))
 

@@ -42,7 +42,7 @@ _PER_REPLICA_BATCH_HOOKS = ("unison_validation_progress",)
 _STRATEGY_QUERY_HOOKS = ("unison_tensor_parallel_plan",)
 
 
-def comparable_hooks(hooks: list[str]) -> list[str]:
+def _comparable_hooks(hooks: list[str]) -> list[str]:
     return [h for h in hooks if h not in _PER_REPLICA_BATCH_HOOKS and h not in _STRATEGY_QUERY_HOOKS]
 
 
@@ -111,9 +111,9 @@ def compare_to_twin(
     if twin is None or twin["status"] != "ok":
         c.fail(label, "twin", note=f"reference run {run.twin!r} missing", kind="run")
         return
-    hooks, twin_hooks = comparable_hooks(t["hooks"]), comparable_hooks(twin["hooks"])
+    hooks, twin_hooks = _comparable_hooks(t["hooks"]), _comparable_hooks(twin["hooks"])
     if hooks != twin_hooks:
-        first = first_difference(twin_hooks, hooks)
+        first = _first_difference(twin_hooks, hooks)
         c.fail(
             label,
             "hook sequence",
@@ -158,7 +158,7 @@ def compare_to_truth(
         c.state(label, t.get("state"), truth.get("state"), against, buffers=buffers)
 
 
-def first_difference(a: list[str], b: list[str]) -> tuple[Any, Any, int]:
+def _first_difference(a: list[str], b: list[str]) -> tuple[Any, Any, int]:
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
             return x, y, i

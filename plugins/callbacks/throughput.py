@@ -23,7 +23,7 @@ FLOPs are counted on the second step, not the first: a forward that
 is never compiled (measured, torch 2.13), and the first step is where it
 compiles. The counted step runs the counter's dispatch mode, a little slower,
 and a profiler records each op of that step twice (the call, and inside it the
-mode's re-dispatch; ``unison.conformance.profiling.redispatched`` tells them apart).
+mode's re-dispatch; ``unison.conformance.profiling.Record.redispatched`` tells them apart).
 
 Times and memory are global rank 0's (what file loggers write); the step
 boundaries are synchronised by the strategy's collectives, so rank 0's wall
