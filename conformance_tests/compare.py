@@ -69,7 +69,7 @@ from unison.conformance.checks.runs import (
     compare_to_twin,
     error_line,
 )
-from unison.conformance.checks.sync import check_accumulation, check_same_sync
+from unison.conformance.checks.sync import check_accumulation, check_reduction_groups, check_same_sync
 from unison.conformance.feature_probes import check_feature_probe
 from unison.conformance.models import build_model
 from unison.conformance.spec import Run, Scenario
@@ -248,7 +248,8 @@ def _judge_run(
         twin = ref_runs.get(run.twin or run.truth or "") or next(iter(ref_runs.values()), None)
         check_param_groups(c, label, t, twin)
         check_reduction_dtypes(c, scenario.precision, label, t)
-        check_optimizer_roundtrip(c, run, label, t, strat.get(run.resume_from or ""))
+        check_reduction_groups(c, label, t)
+    check_optimizer_roundtrip(c, run, label, t, _written_by(run, strat, ref_runs))
     # Gradient syncs are expected only among data-parallel replicas (fsdp_tp at world 2 has one: dp=1 x tp=2).
     check_accumulation(c, scenario, label, t, t.get("data_parallel_size", t.get("world_size", 1)) > 1)
     if run.twin is not None:
@@ -270,6 +271,18 @@ def _judge_run(
     if run.twin is not None:
         compare_to_full_batch(c, scenario, label, t, ref_runs, buffers)
     c.checks.append(_describe_run_checks(run))
+
+
+def _written_by(
+    run: Run, strat: dict[str, dict[str, Any]], ref_runs: dict[str, dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The trace of the run whose checkpoint ``run`` resumed (``part``, ``strategy:part``, ``reference:part``)."""
+    if run.resume_from is None:
+        return None
+    backend, _, source = run.resume_from.rpartition(":")
+    if backend == "reference" or (not backend and run.backend == "reference"):
+        return ref_runs.get(source)
+    return strat.get(source)
 
 
 def _judge_reference_run(

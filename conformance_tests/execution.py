@@ -40,7 +40,9 @@ from unison.conformance.feature_probes import FeatureProbe
 from unison.conformance.models import OPTIMIZERS, SCHEDULERS, build_model, loss_fn, perturb, training_step
 from unison.conformance.profiling import (
     analyse_collectives,
+    flight_entries,
     instrument,
+    process_groups,
     profile_collectives,
     records,
     records_payloads,
@@ -153,6 +155,7 @@ def execute_run(
             pm.record_hook_calls(prefix="unison_") as hooks,
             feature_probe,
             _quiet(run.defaults),
+            _eager_random(run),
         ):
             progress = trainer.fit(
                 model,
@@ -194,7 +197,9 @@ def execute_run(
             data_parallel_size=trainer.strategy.data_parallel_size(torch.distributed.get_world_size())
             if dist_on
             else 1,
-            collectives=analyse_collectives(records(prof_box[0])) if prof_box else None,
+            collectives=analyse_collectives(records(prof_box[0], flight_entries())) if prof_box else None,
+            # Group name -> ranks, at the first step and at the end (a group destroyed at teardown included).
+            process_groups={**recorder.process_groups, **process_groups()},
             state=trainer.full_state_dict(),
             buffer_snapshots=recorder.buffer_snapshots,
             validations=recorder.validations,
@@ -242,6 +247,20 @@ def _quiet(enabled: bool) -> Iterator[None]:
         return
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         yield
+
+
+def _eager_random(run: Run) -> contextlib.AbstractContextManager[Any]:
+    """A compiled run's random ops draw from eager's generator (inductor's ``fallback_random``).
+
+    Inductor otherwise compiles dropout with its own Philox stream (pytorch/pytorch#118735: by design), so
+    a compiled run could not be compared with the strategy's uncompiled one on a model with dropout. With
+    eager's generator, a compile path that draws from it (a warm-up forward) or reseeds it is seen.
+    """
+    if not dict(run.overrides).get("compile"):
+        return contextlib.nullcontext()
+    import torch._inductor.config
+
+    return torch._inductor.config.patch(fallback_random=True)
 
 
 @contextlib.contextmanager

@@ -28,7 +28,9 @@ mixed-precision scenarios and ``plain``), ``record_shapes`` is on and each
 collective's payload (dtype, elements) is read from the backend's own
 record (``gloo:all_reduce``): ``reduction_dtypes`` counts the dtypes of
 reductions of more than one element inside the forward/backward windows
-(gradients, not a loss or a norm).
+(gradients, not a loss or a norm). The process group of each call comes from torch's flight
+recorder (:func:`enable_flight_recorder`, :func:`flight_entries`: its entries carry the group, on the
+profiler's clock); ``gradient_groups`` counts the groups of those reductions.
 
 The records are read from the profiler's raw (Kineto) results (:func:`records`), not from its
 ``FunctionEvent`` tree, which costs about 0.4 s per run and rank to build.
@@ -36,8 +38,10 @@ The records are read from the profiler's raw (Kineto) results (:func:`records`),
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
+import math
 import os
 from collections import Counter
 from collections.abc import Iterator
@@ -112,6 +116,10 @@ class Record:
     shapes: tuple[Any, ...] = ()
     dtypes: tuple[str, ...] = ()
     redispatched: bool = False
+    #: The process group the collective ran on and its elements, from the flight recorder entry created
+    #: inside this ``c10d`` call (:func:`flight_entries`); ``""`` and ``0`` where none was found.
+    group: str = ""
+    numel: int = 0
 
 
 def _wanted(name: str) -> bool:
@@ -122,13 +130,14 @@ def _wanted(name: str) -> bool:
     )
 
 
-def records(prof: Any) -> list[Record]:
+def records(prof: Any, flight: list[FlightEntry] | None = None) -> list[Record]:
     """The records :func:`analyse_collectives` reads, straight from the profiler's raw (Kineto) results.
 
     ``prof.events()`` builds a ``FunctionEvent`` tree of every op in Python: about 0.4 s per run and rank
     here, a third of a conformance run's time on these tiny models. The marks and collectives are a few
     hundred of the ten thousand records; nesting (a re-dispatched ``c10d`` call inside one of the same
-    name on its thread) is read from their time spans.
+    name on its thread) is read from their time spans. With ``flight`` (:func:`flight_entries`), each
+    ``c10d`` call carries the group and elements of the flight recorder entry created inside its span.
     """
     kept = []
     for e in prof.profiler.kineto_results.events():
@@ -151,6 +160,87 @@ def records(prof: Any) -> list[Record]:
         ):
             r = dataclasses.replace(r, redispatched=True)
         out.append(r)
+    return _with_groups(out, flight or [])
+
+
+#: Entries the flight recorder keeps (a ring): far more than one fit of the suite's tiny models makes.
+FLIGHT_RECORDER_ENTRIES = 5_000
+
+
+def enable_flight_recorder() -> None:
+    """Keep torch's flight recorder on in this process (read when the first process group starts).
+
+    The profiler's records of a collective carry no process group (gloo records none; the ``c10d`` op's
+    group argument is not recorded); the flight recorder's entries do, with the payload's sizes and
+    dtypes and the time each work was created, on the profiler's clock. A user's own setting wins.
+    """
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
+
+
+@dataclasses.dataclass(frozen=True)
+class FlightEntry:
+    """One collective as torch's flight recorder kept it: created at ``created`` (ns), on group ``group``."""
+
+    created: int
+    group: str
+    op: str
+    numel: int
+
+
+def flight_entries() -> list[FlightEntry]:
+    """This process's flight recorder entries (empty when the recorder is off or unavailable)."""
+    import json
+
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
+    if dump is None:
+        return []
+    try:
+        entries = json.loads(dump(True, False)).get("entries") or []
+    except (RuntimeError, ValueError):
+        return []
+    out = []
+    for e in entries:
+        sizes = e.get("input_sizes") or []
+        numel = sum(math.prod(size) for size in sizes)
+        out.append(FlightEntry(int(e["time_created_ns"]), str(e["process_group"][0]), e["profiling_name"], numel))
+    return out
+
+
+def _with_groups(kept: list[Record], entries: list[FlightEntry]) -> list[Record]:
+    """Each ``c10d`` call with the group and elements of the flight recorder entry created inside its span
+    (the first one not yet taken: an op that issues a coalesced call is one entry)."""
+    if not entries:
+        return kept
+    entries = sorted(entries, key=lambda e: e.created)
+    times = [e.created for e in entries]
+    taken: set[int] = set()
+    out = []
+    for r in kept:
+        if r.name.startswith("c10d::") and not r.redispatched:
+            i = bisect.bisect_left(times, r.start)
+            while i < len(entries) and times[i] <= r.end:
+                if i not in taken:
+                    taken.add(i)
+                    r = dataclasses.replace(r, group=entries[i].group, numel=entries[i].numel)
+                    break
+                i += 1
+        out.append(r)
+    return out
+
+
+def process_groups() -> dict[str, list[int]]:
+    """The live process groups of this process: their flight-recorder name -> global ranks."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    from torch.distributed import distributed_c10d as c10d
+
+    out = {}
+    for pg, name in list(c10d._world.pg_names.items()):
+        try:
+            out[str(name)] = sorted(int(r) for r in c10d.get_process_group_ranks(pg))
+        except (RuntimeError, ValueError, KeyError):
+            continue
     return out
 
 
@@ -164,6 +254,8 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
     functional: list[tuple[float, float]] = []
     #: Reductions of more than one element (gradients, not a loss or a norm): (start, dtype).
     reductions: list[tuple[float, str]] = []
+    #: Calls of more than one element whose group the flight recorder named: (start, group name).
+    grouped: list[tuple[float, str]] = []
     for e in events:
         name = e.name
         if name.startswith(FUNCTIONAL_PREFIX) and not name.endswith("wait_tensor"):
@@ -179,6 +271,8 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
         elif name.startswith("c10d::") and not e.redispatched:
             op = name[len("c10d::") :]
             calls.append((e.start, COLLECTIVE_KINDS.get(op, f"other:{op}")))
+            if e.group and e.numel > 1:
+                grouped.append((e.start, e.group))
         elif name.startswith(PAYLOAD_PREFIXES) and "reduce" in name:
             found = payload(e)
             if found is not None and found[1] > 1:
@@ -210,10 +304,14 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
             micro.append(grad_syncs(start, end, open_start=i > 0))
             start = end
         per_micro_step.append(micro)
+    kind_at = dict(calls)
+    groups = Counter(group for t, group in grouped if kind_at.get(t) in GRADIENT_SYNC_KINDS and inside(t, windows))
     grad_in_no_sync = sum(1 for t, kind in calls if kind in GRADIENT_SYNC_KINDS and inside(t, no_sync))
     return {
         # The dtypes that reductions of more than one element carried in the forward/backward windows.
         "reduction_dtypes": dict(Counter(dtype for t, dtype in reductions if inside(t, windows))),
+        # The process groups (flight recorder names) of the gradient reductions in those windows.
+        "gradient_groups": dict(groups),
         # Reductions (all-reduce, reduce-scatter, reduce) called inside the strategy's clip_grad_norm.
         "reductions_in_clip": sum(1 for t, kind in calls if kind in GRADIENT_SYNC_KINDS and inside(t, clips)),
         "total": dict(total),

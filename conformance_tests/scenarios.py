@@ -273,6 +273,22 @@ SCENARIOS: tuple[Scenario, ...] = (
         ),
     ),
     Scenario(
+        "compile_rng",
+        "the Dropout model trained by the strategy with compile=True and without, accumulation 2: equal (the "
+        "suite compiles with inductor's fallback_random, so compiled dropout draws from the generator eager "
+        "dropout draws from: a compile path that draws from it, or restores it, is seen); compared with the "
+        "strategy's own run, since dropout masks depend on the world size",
+        model="dropout_blocks",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        max_steps=3,
+        runs=(
+            Run("off", "reference"),
+            Run("off", "strategy"),
+            Run("on", "strategy", overrides=(("compile", True),), same_as=("off",)),
+        ),
+    ),
+    Scenario(
         "resume",
         "save at step 3, resume to step 6: equals the uninterrupted run, buffers included (frozen layer, "
         "changing BatchNorm buffers, warmup)",

@@ -62,6 +62,8 @@ def optimizer_state_summary(optimizer: Any) -> dict[str, Any] | None:
 
     Taken when a checkpoint is written and at a resumed run's first step, it shows whether the checkpoint
     gave back every entry, in its dtype and to the bit (a sum of 1e5 values changes with any rounding).
+    Each entry also lists its tensors' parts (global shape, local shape, sum of |values|), from which the
+    whole state over several ranks is put together (:func:`unison.conformance.checks.reported.whole_state`).
     """
     state = getattr(optimizer, "state", None)
     if state is None:
@@ -69,12 +71,16 @@ def optimizer_state_summary(optimizer: Any) -> dict[str, Any] | None:
     entries: dict[str, dict[str, Any]] = {}
     for per_param in state.values():
         for key, value in per_param.items():
-            entry = entries.setdefault(str(key), {"dtypes": set(), "count": 0, "total": 0.0, "scalars": set()})
+            entry = entries.setdefault(
+                str(key), {"dtypes": set(), "count": 0, "total": 0.0, "scalars": set(), "parts": []}
+            )
             entry["count"] += 1
             if isinstance(value, torch.Tensor):
                 local = value.to_local() if hasattr(value, "to_local") else value
                 entry["dtypes"].add(str(local.dtype).removeprefix("torch."))
-                entry["total"] += float(local.detach().double().abs().sum())
+                absolute = float(local.detach().double().abs().sum())
+                entry["total"] += absolute
+                entry["parts"].append([list(value.shape), list(local.shape), absolute])
                 if local.numel() == 1:
                     entry["scalars"].add(float(local))
             elif isinstance(value, (bool, int, float)):
@@ -82,7 +88,14 @@ def optimizer_state_summary(optimizer: Any) -> dict[str, Any] | None:
                 entry["total"] += abs(float(value))
                 entry["scalars"].add(float(value))
     return {
-        k: {"dtypes": sorted(e["dtypes"]), "count": e["count"], "total": e["total"], "scalars": sorted(e["scalars"])}
+        k: {
+            "dtypes": sorted(e["dtypes"]),
+            "count": e["count"],
+            "total": e["total"],
+            "scalars": sorted(e["scalars"]),
+            # Each tensor's [global shape, local shape, sum of |values|]: what a rank holds of the whole.
+            "parts": sorted(e["parts"]),
+        }
         for k, e in sorted(entries.items())
     }
 

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 import unison
-from unison.conformance.profiling import STEP_MARK
+from unison.conformance.profiling import STEP_MARK, process_groups
 from unison.conformance.snapshots import group_hyperparameters, optimizer_state_summary
 
 
@@ -90,6 +90,8 @@ class TraceRecorder:
         #: :func:`~unison.conformance.snapshots.optimizer_state_summary`.
         self.saved_optimizer_state: dict[int, dict[str, Any]] = {}
         self.loaded_optimizer_state: dict[str, Any] | None = None
+        #: The live process groups at the run's first step (flight-recorder name -> ranks).
+        self.process_groups: dict[str, list[int]] = {}
 
     def count_update(self) -> None:
         if self.in_update and self.current_step is not None:
@@ -113,6 +115,7 @@ class TraceRecorder:
             }
             self.param_groups = group_hyperparameters(getattr(trainer.strategy, "optimizer", None))
             self.loaded_optimizer_state = optimizer_state_summary(self.optimizers[-1] if self.optimizers else None)
+            self.process_groups = process_groups()
         self.close_mark()
         self._mark = torch.autograd.profiler.record_function(STEP_MARK)
         self._mark.__enter__()

@@ -35,6 +35,7 @@ import torch
 from unison.checkpointing.checkpointer import Checkpointer
 from unison.conformance.data import Sizing
 from unison.conformance.execution import REFERENCE, execute_run
+from unison.conformance.profiling import enable_flight_recorder
 from unison.conformance.scenarios import select
 from unison.conformance.spec import Run, Scenario
 from unison.plugin.rng_guard import CHECK_RNG_ENV
@@ -109,6 +110,7 @@ def run_phase(ctx: PhaseContext) -> dict[str, dict[str, dict[str, Any]]]:
     Module-level so spawned ranks can import it. Rank 0 keeps the canonical
     state in its traces; other ranks drop it (it is compared once).
     """
+    enable_flight_recorder()  # before the first fit starts the process group: each collective's group
     dist_on = torch.distributed.is_available() and torch.distributed.is_initialized()
     rank = torch.distributed.get_rank() if dist_on else 0
     strategy = REFERENCE if ctx.backend == "reference" else ctx.strategy
@@ -236,6 +238,7 @@ def merge_ranks(results: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str
         "param_groups",
         "saved_optimizer_state",
         "loaded_optimizer_state",
+        "process_groups",
     )
     merged = results[0]
     for scenario, runs in merged.items():

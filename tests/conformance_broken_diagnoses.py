@@ -154,6 +154,22 @@ class RecomputesWithoutRng(_DataParallel):
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False, preserve_rng_state=False)
 
 
+class WarmsUpCompiledForward(_DataParallel):
+    """After compiling the forward, runs it once on a random batch so that the first step does not wait for
+    compilation: the warm-up draws its input and its dropout masks from the training generator the trainer
+    has just seeded, so every later mask shifts. Follows NVIDIA/Megatron-LM#2827 (JIT warm-up draws
+    shifting the RNG stream that dropout sees) and NVIDIA/TransformerEngine#216 (a deterministic warm-up)."""
+
+    def apply_features(self, module: torch.nn.Module) -> None:
+        super().apply_features(module)
+        assert self.settings is not None
+        if not self.settings.compile:
+            return
+        first = next(m for m in module.modules() if isinstance(m, torch.nn.Linear))
+        with torch.no_grad():
+            module(torch.rand(2, first.in_features, device=first.weight.device))
+
+
 class RoundsOptimizerState(_DataParallel):
     """Writes the optimizer's moments rounded to bf16 (to halve the checkpoint; the live state is kept): a
     resume restores every entry, slightly off. Follows microsoft/DeepSpeed#2071's class (a lower precision
@@ -187,6 +203,7 @@ BROKEN = {
     "reduces_in_bf16": (ReducesInBf16, "all-reduces fp32 gradients in bf16 under bf16-mixed"),
     "recomputes_without_rng": (RecomputesWithoutRng, "recomputes checkpointed blocks without restoring the RNG"),
     "rounds_optimizer_state": (RoundsOptimizerState, "writes the optimizer's moments rounded to bf16"),
+    "warms_up_compiled_forward": (WarmsUpCompiledForward, "runs a compiled warm-up forward that draws masks"),
 }
 
 

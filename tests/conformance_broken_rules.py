@@ -140,6 +140,26 @@ class PartialOptimizerState(_DataParallel):
             group.update(hyper)
 
 
+class ReducesWithinNode(_DataParallel):
+    """Takes each pair of ranks for a node and averages the gradients within it only, never across nodes:
+    right at world 2 (one node), two diverging halves at world 4. Follows radixark/miles#1432 (gradients
+    not all-reduced across independent data-parallel replicas) and areal-project/AReaL#313 (replicated
+    parameters' gradients reduced over a smaller group than the replicas)."""
+
+    def average_gradients(self) -> None:
+        assert self.module is not None
+        if not hasattr(self, "_node"):
+            size, rank = dist.get_world_size(), dist.get_rank()
+            nodes = [dist.new_group(list(range(i, min(i + 2, size)))) for i in range(0, size, 2)]
+            self._node = nodes[rank // 2]
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self._node)
+        flat.div_(dist.get_world_size(self._node))
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(reduced)
+
+
 BROKEN = {
     "rules_control": (Control, "correct data parallel (the control)"),
     "per_bucket_clip": (PerBucketClip, "clips each gradient bucket by its own norm"),
@@ -153,6 +173,7 @@ BROKEN = {
     "decays_frozen": (DecaysFrozen, "hands frozen parameters to the optimizer with zero gradients"),
     "drops_buffers_on_resume": (DropsBuffersOnResume, "drops the checkpoint's buffers on resume"),
     "partial_optimizer_state": (PartialOptimizerState, "restores only the first param group's hyperparameters"),
+    "reduces_within_node": (ReducesWithinNode, "averages gradients within each pair of ranks only"),
 }
 
 

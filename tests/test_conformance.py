@@ -45,7 +45,7 @@ GOOD, WRONG, EVERY = "handwritten_dp", "handwritten_dp_double_avg", "handwritten
 UNAVAILABLE = "conformance_test_unavailable"
 TRAIN = [s for s in SCENARIOS if s.kind == "train"]
 #: Scenarios that compare the strategy's runs with each other only (``default_plugins``, ``fresh_resume``,
-#: ``activation_checkpointing_rng``: Dropout
+#: ``activation_checkpointing_rng``, ``compile_rng``: Dropout
 #: masks are drawn per rank, so no reference has them): gradients averaged twice change none of their comparisons.
 #: Their own broken plugins and strategies fail them (tests/test_conformance_workloads.py).
 SELF_COMPARED = {s.name for s in TRAIN if not any(r.twin or r.truth for r in s.runs if r.backend == "strategy")}
@@ -210,7 +210,7 @@ def test_third_party_strategy_is_certified(report):
 def test_wrong_strategy_fails_every_scenario_with_a_pointer(report):
     verdicts = report.verdicts[WRONG]
     cert = report.certificate(WRONG)
-    assert {"default_plugins", "fresh_resume", "activation_checkpointing_rng"} == SELF_COMPARED
+    assert {"default_plugins", "fresh_resume", "activation_checkpointing_rng", "compile_rng"} == SELF_COMPARED
     assert not cert.certified and cert.label == "not certified"
     assert len(cert.failed) == len(SCENARIOS) - len(SELF_COMPARED)
     assert report.exit_code == 1

@@ -6,7 +6,10 @@ its diagnosis names its rule; the deciding check is categorical (collectives, ke
 groups, an error) or falls at least 10x outside its tolerance. Evidence: where the
 reductions ran and in which dtype (the process group's own record), the state-dict key sets, the
 optimizer's parameter groups, a scenario at another accumulation (accumulation = world size = 2 is
-ambiguous), the counter of a buffer, the grad norm against the clip value, the error of a resume.
+ambiguous), the counter of a buffer, the grad norm against the clip value, the error of a resume. A
+second suite compiles (a compile path that draws from the training generator, a warm-up forward, against
+the same strategy uncompiled, on a model with dropout) and reshards (the whole optimizer state a resume at
+another world size gives back).
 """
 
 from __future__ import annotations
@@ -46,11 +49,24 @@ EXPECTED = {
     "recomputes_without_rng": ("activation_checkpointing_rng", "feature_rng"),
     "rounds_optimizer_state": ("resume", "optimizer_state_roundtrip"),
 }
+#: Compiled runs and a resume at another world size cost seconds per strategy: the mutants they are for and
+#: the control have a suite of their own.
+MORE = {
+    "warms_up_compiled_forward": ("compile_rng", "feature_rng"),
+    "rounds_optimizer_state": ("reshard", "optimizer_state_roundtrip"),
+}
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> SuiteReport:
     return mutation_suite(tmp_path_factory, "diagnoses", [CONTROL, *EXPECTED], plugin=PLUGIN, scenarios=SCENARIOS)
+
+
+@pytest.fixture(scope="module")
+def more_report(tmp_path_factory) -> SuiteReport:
+    return mutation_suite(
+        tmp_path_factory, "diagnoses-more", [CONTROL, *MORE], plugin=PLUGIN, scenarios=["compile_rng", "reshard"]
+    )
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -99,3 +115,23 @@ def test_mutation_score_names_every_rule(report):
     rules = {name: rule for name, (_, rule) in EXPECTED.items()}
     wrong = score(_sanitize(report.to_dict()), list(EXPECTED), controls=[CONTROL], rules={**rules, "x": "y"})
     assert not wrong.ok and "x diagnosed nothing, not y" in wrong.line()
+
+
+def test_a_compile_path_that_draws_from_the_training_generator_is_seen(more_report):
+    # The control compiled equals itself uncompiled up to fused rounding (the suite compiles onto eager's
+    # generator, so the masks are the same); the warm-up forward shifts every later dropout mask (3e-2).
+    control = more_report.verdicts[CONTROL]["compile_rng"]
+    assert control.status == PASS and control.max_param_deviation < 1e-6, control.summary()
+    assert_diagnosed(more_report, "warms_up_compiled_forward", *MORE["warms_up_compiled_forward"])
+    d = more_report.verdicts["warms_up_compiled_forward"]["compile_rng"].diagnosis
+    assert "compile=True" in d.explanation and "fallback_random" in d.explanation, d.message()
+
+
+def test_a_resume_at_another_world_size_gives_back_the_whole_optimizer_state(more_report):
+    # The control resharded 2 -> 1 and resumed under single: the whole state (parts held by several ranks
+    # counted once) as written; moments written rounded to bf16 are seen at 1e-9 by a wide margin.
+    checks = more_report.verdicts[CONTROL]["reshard"].checks
+    assert any("whole optimizer state it resumed with (1 ranks) is the state the 2 ranks saved" in c for c in checks)
+    assert more_report.verdicts[CONTROL]["reshard"].status == PASS
+    assert_diagnosed(more_report, "rounds_optimizer_state", *MORE["rounds_optimizer_state"])
+    assert_mutation_score(more_report, MORE, CONTROL)

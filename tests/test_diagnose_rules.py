@@ -480,6 +480,9 @@ def test_feature_rng_needs_dropout_and_the_strategy_without_the_feature() -> Non
     against_off = div("loss", run="strategy:on", against="strategy:off")
     found = reported.feature_rng(evidence("activation_checkpointing_rng", [against_off]))
     assert rule_of(found) == "feature_rng" and "activation_checkpointing='full'" in found[2]
+    assert "recomputed forward" in found[2]
+    compiled = reported.feature_rng(evidence("compile_rng", [against_off]))
+    assert rule_of(compiled) == "feature_rng" and "compile=True" in compiled[2] and "fallback_random" in compiled[2]
     # Near misses: the run without the feature diverging; a model without Dropout.
     off = div("loss", run="strategy:off", against="reference:off")
     assert reported.feature_rng(evidence("activation_checkpointing_rng", [off])) is None
@@ -512,6 +515,95 @@ def test_roundtrip_differences_name_each_entry() -> None:
     assert roundtrip_differences(saved, {"step": saved["step"]}) == ["exp_avg: not restored"]
     halved = {**saved, "exp_avg": {**saved["exp_avg"], "dtypes": ["bfloat16"]}}
     assert roundtrip_differences(saved, halved) == ["exp_avg: dtype float32 saved, bfloat16 loaded"]
+
+
+def test_a_resume_across_world_sizes_compares_the_whole_optimizer_state() -> None:
+    from unison.conformance.checks.numeric import Checker
+    from unison.conformance.checks.reported import check_optimizer_roundtrip, whole_state
+    from unison.conformance.verdict import TOLERANCES
+
+    def entry(total: float, count: int = 1, step: float = 3.0) -> dict[str, Any]:
+        return {
+            "exp_avg": {
+                "dtypes": ["float32"],
+                "count": count,
+                "total": total,
+                "scalars": [total] if count == 1 else [],
+            },
+            "step": {"dtypes": ["float32"], "count": count, "total": step * count, "scalars": [step]},
+        }
+
+    # Two shards written at world 2 and the whole state loaded at world 1 (a flat shard against per-parameter
+    # tensors: other entry counts and one-element values); replicas counted once.
+    shards = [entry(1.0, count=1), entry(2.0, count=3)]
+    whole = entry(3.0, count=2)
+    assert whole_state(shards)["exp_avg"]["total"] == 3.0 == whole_state([whole, whole])["exp_avg"]["total"]
+    run = SCENARIOS_BY_NAME["reshard"].run("strategy", "resumed")
+    part = {"ranks": [{"saved_optimizer_state": {"3": s}} for s in shards]}
+
+    def failures(loaded: list[dict[str, Any]]) -> list[str]:
+        c = Checker(SCENARIOS_BY_NAME["reshard"], TOLERANCES["32-true"])
+        trace = {"ranks": [{"loaded_optimizer_state": s} for s in loaded], "steps": steps(3)}
+        check_optimizer_roundtrip(c, run, "strategy:resumed", trace, part)
+        assert any("whole optimizer state" in check for check in c.checks), c.checks
+        return [str(d.got) for d in c.divergences]
+
+    assert failures([whole]) == []
+    assert failures([entry(1.25), entry(1.75)]) == []  # resharded over two ranks another way
+    assert failures([entry(3.0 * (1 + 1e-7))]) == ["exp_avg: sum of |values| 3 saved, 3.0000003 loaded"]
+    assert failures([entry(3.0, step=0.0)]) == ["step: values [3.0] saved, [0.0] loaded"]
+    assert failures([{"step": whole["step"]}]) == ["exp_avg: not restored"]
+
+    # A part several ranks hold counts once: HSDP at world 4 (two shards, each on two ranks); tensor parallel
+    # at world 2 (a layer left whole on both ranks, and a split one).
+    def parts(*held: tuple[list[int], list[int], float]) -> dict[str, Any]:
+        return {"exp_avg": {"dtypes": ["float32"], "count": len(held), "total": 0.0, "scalars": [], "parts": held}}
+
+    a, b = ([16], [8], 1.0), ([16], [8], 2.0)
+    assert whole_state([parts(a), parts(b), parts(a), parts(b)])["exp_avg"]["total"] == 3.0
+    head = ([1, 16], [1, 16], 1.5)
+    tp = whole_state([parts(head, ([16, 16], [16, 8], 0.25)), parts(head, ([16, 16], [16, 8], 0.5))])
+    assert tp["exp_avg"]["total"] == 2.25
+    # Two equal parts on one rank are two tensors.
+    assert whole_state([parts(a, a), parts(a)])["exp_avg"]["total"] == 2.0
+
+
+def test_the_reduction_groups_must_join_every_data_parallel_replica() -> None:
+    from unison.conformance.checks.numeric import Checker
+    from unison.conformance.checks.sync import check_reduction_groups, reduction_components
+    from unison.conformance.verdict import TOLERANCES
+
+    def rank(groups: dict[str, list[int]], used: list[str]) -> dict[str, Any]:
+        return {"process_groups": groups, "collectives": {"gradient_groups": dict.fromkeys(used, 1)}}
+
+    world = {"0": [0, 1, 2, 3]}
+    # HSDP at world 4: a shard group and a replicate group per rank join all four.
+    shard = {"1": [0, 1], "2": [2, 3], "3": [0, 2], "4": [1, 3]}
+    hsdp = [rank(shard, ["1", "3"]), rank(shard, ["1", "4"]), rank(shard, ["2", "3"]), rank(shard, ["2", "4"])]
+    assert reduction_components({"ranks": hsdp}) == [[0, 1, 2, 3]]
+    assert reduction_components({"ranks": [rank(world, ["0"])] * 4}) == [[0, 1, 2, 3]]
+
+    def failures(ranks: list[dict[str, Any]], dp: int = 4) -> list[str]:
+        c = Checker(SCENARIOS_BY_NAME["plain"], TOLERANCES["32-true"])
+        check_reduction_groups(c, "strategy:main", {"ranks": ranks, "data_parallel_size": dp})
+        return [d.kind for d in c.divergences]
+
+    assert failures(hsdp) == [] and failures([rank(world, ["0"])] * 4) == []
+    nodes = {"1": [0, 1], "2": [2, 3]}
+    pairs = [rank(nodes, ["1"]), rank(nodes, ["1"]), rank(nodes, ["2"]), rank(nodes, ["2"])]
+    assert failures(pairs) == ["reduction_group"]
+    # Two data-parallel replicas of two tensor-parallel ranks: pairs are right.
+    assert failures(pairs, dp=2) == []
+    # Nothing recorded (one replica, or no flight recorder): no check.
+    assert failures([rank({}, [])] * 4) == [] and failures(pairs, dp=1) == []
+
+
+def test_reduction_group_names_the_ranks_joined() -> None:
+    d = div("reduction_group", quantity="gradient reduction groups", step=None, got="ranks joined: [[0, 1], [2, 3]]")
+    d.note = "the gradients were reduced over [0, 1] only, not over all 4 data-parallel replicas"
+    found = reported.reduction_group(evidence("plain", [div("rank"), d]))
+    assert rule_of(found) == "reduction_group" and "[[0, 1], [2, 3]]" in found[2] and "[0, 1] only" in found[2]
+    assert reported.reduction_group(evidence("plain", [div("rank")])) is None
 
 
 def test_param_groups_compare_the_hyperparameters_both_optimizers_have() -> None:

@@ -70,3 +70,52 @@ def test_records_read_a_real_profile_once_per_collective_with_its_payload(monkey
     assert analyse_collectives(found)["total"] == {"all_reduce": 2}
     backend = [payload(r) for r in found if r.name == "gloo:all_reduce"]
     assert backend and set(backend) == {("float32", 4)}
+
+
+FLIGHT_SCRIPT = """
+import json, os, torch, torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+from unison.conformance.profiling import (
+    STEP_MARK, analyse_collectives, enable_flight_recorder, flight_entries, process_groups, records,
+)
+from unison.launch.torchrun import free_port
+
+enable_flight_recorder()
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+dist.init_process_group("gloo", rank=0, world_size=1)
+subgroup = dist.new_group([0])
+with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with torch.autograd.profiler.record_function(STEP_MARK):
+        dist.all_reduce(torch.ones(4))
+        dist.all_reduce(torch.ones(4), group=subgroup)
+        dist.all_reduce(torch.ones(1))  # a loss, not a gradient: one element
+    dist.all_reduce(torch.ones(4))  # outside forward/backward
+found = records(prof, flight_entries())
+print(json.dumps({
+    "groups": analyse_collectives(found)["gradient_groups"],
+    "named": process_groups(),
+    "calls": [[r.group, r.numel] for r in found if r.name == "c10d::allreduce_"],
+}))
+dist.destroy_process_group()
+"""
+
+
+def test_the_flight_recorder_names_the_group_of_each_reduction():
+    """A real (one-rank gloo) world in a process of its own (the recorder is read when the first process group
+    starts): each ``c10d`` call carries the group and size of the flight recorder entry made inside it, and
+    the gradient reductions in forward/backward are counted by group, named to their ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_FR_BUFFER_SIZE"}
+    done = subprocess.run(
+        [sys.executable, "-c", FLIGHT_SCRIPT], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    default, sub = out["calls"][0][0], out["calls"][1][0]
+    assert out["calls"] == [[default, 4], [sub, 4], [default, 1], [default, 4]] and default != sub
+    assert out["groups"] == {default: 1, sub: 1}
+    assert out["named"][default] == [0] and out["named"][sub] == [0]

@@ -36,6 +36,7 @@ strategy reduced in, per precision, are on its certificate.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from unison.conformance.checks.numeric import Checker
@@ -119,36 +120,92 @@ def roundtrip_differences(saved: dict[str, Any], loaded: dict[str, Any]) -> list
     return out
 
 
+def whole_state(summaries: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The whole optimizer state from per-rank summaries, entry by entry: dtypes, sum of |values|, step counters.
+
+    Each rank's tensors are parts (global shape, local shape, sum of |values|) of the whole; a part held by
+    several ranks (DDP's replicas, HSDP's replicate dim, a layer tensor parallel leaves whole on every
+    rank) counts once: each distinct part as often as one rank holds it. Entry counts, one-element values
+    other than ``step`` and the sum of the ``step`` counters (one per tensor) depend on how the state is cut
+    (a flat shard against per-parameter tensors), so they are not part of the whole; the counters' values
+    are. (Two different tensors on two ranks with the same shapes and sums to the bit would count once:
+    float sums of different state make that improbable.)
+    """
+    out: dict[str, dict[str, Any]] = {}
+    held: dict[str, Counter[tuple[str, str, float]]] = {}
+    for summary in summaries:
+        for key, e in (summary or {}).items():
+            o = out.setdefault(key, {"dtypes": set(), "count": None, "total": 0.0, "scalars": set()})
+            o["dtypes"] |= set(e["dtypes"])
+            if key == "step":  # one counter per tensor: its values, not their sum, are the state
+                o["scalars"] |= set(e["scalars"])
+                continue
+            parts = e.get("parts")
+            if parts is None:  # a summary without parts: its sum is one part
+                parts = [["", "", e["total"]]]
+            here = Counter((str(g), str(local), float(v)) for g, local, v in parts)
+            held[key] = held.get(key, Counter()) | here  # as often as one rank holds it
+    for key, parts in held.items():
+        out[key]["total"] = sum(v * n for (_, _, v), n in parts.items())
+    return {k: {**e, "dtypes": sorted(e["dtypes"]), "scalars": sorted(e["scalars"])} for k, e in out.items()}
+
+
+def _saved_last(trace: dict[str, Any]) -> dict[str, Any] | None:
+    saved_at = trace.get("saved_optimizer_state") or {}
+    return saved_at[max(saved_at, key=int)] if saved_at else None
+
+
 def check_optimizer_roundtrip(c: Checker, run: Any, label: str, trace: dict[str, Any], part: Any) -> None:
-    """A resume of the strategy's own checkpoint at the same world size restores the optimizer state exactly."""
-    if run.resume_from is None or ":" in run.resume_from or run.world == "alt" or not part:
+    """Every resume restores the optimizer state that was written (``part``: the run that wrote it).
+
+    In the same processes' layout (the strategy's own checkpoint at the same world size) rank by rank,
+    entry counts included; across a world-size or strategy change (reshard, cross resume) the whole state
+    (:func:`whole_state`): what each rank holds changes, the state does not.
+    """
+    if run.resume_from is None or not part:
         return
-    c.checks.append(f"{label}: the optimizer state it resumed with is the state saved, entry by entry, to the bit")
-    for r, (rt, pt) in enumerate(zip(trace.get("ranks") or [trace], part.get("ranks") or [part])):
-        saved_at = pt.get("saved_optimizer_state") or {}
-        loaded = rt.get("loaded_optimizer_state")
-        if not saved_at or loaded is None:
+    ranks = trace.get("ranks") or [trace]
+    written = part.get("ranks") or [part]
+    same_layout = ":" not in run.resume_from and run.world != "alt" and len(ranks) == len(written)
+    if same_layout:
+        pairs = [
+            (f"rank {r}", _saved_last(pt), rt.get("loaded_optimizer_state"))
+            for r, (rt, pt) in enumerate(zip(ranks, written))
+        ]
+        c.checks.append(f"{label}: the optimizer state it resumed with is the state saved, entry by entry, to the bit")
+    else:
+        saved = [_saved_last(pt) for pt in written]
+        loaded = [rt.get("loaded_optimizer_state") for rt in ranks]
+        if not any(saved) or not any(loaded):
+            return
+        pairs = [(f"{len(written)} -> {len(ranks)} ranks", whole_state(saved), whole_state(loaded))]
+        c.checks.append(
+            f"{label}: the whole optimizer state it resumed with ({len(ranks)} ranks) is the state the "
+            f"{len(written)} ranks saved: every entry's dtypes, sum of |values| (1e-9) and step counters"
+        )
+    for where, saved_state, loaded_state in pairs:
+        if not saved_state or loaded_state is None:
             continue
-        saved = saved_at[max(saved_at, key=int)]
-        differences = roundtrip_differences(saved, loaded)
-        if differences:
-            # Numeric when only sums differ (the deciding check's margin): their largest relative difference.
-            shared = [k for k in saved if k in loaded and saved[k]["dtypes"] == loaded[k]["dtypes"]]
-            relative = max((_relative(saved[k], loaded[k]) for k in shared), default=0.0)
-            numeric = relative > ROUNDTRIP_MATCH
-            c.fail(
-                label,
-                f"optimizer state on resume, rank {r}",
-                # A changed value is seen at the resumed run's first step, before any of its numbers; a lost
-                # entry has no step (the numbers that follow show where it matters).
-                step=(trace.get("steps") or [{}])[0].get("step") if numeric else None,
-                expected="the state saved",
-                got="; ".join(differences),
-                deviation=relative if numeric else None,
-                tolerance=ROUNDTRIP_MATCH if numeric else None,
-                kind="optimizer_state",
-                note="the checkpoint did not give the optimizer back the state it had when it was written",
-            )
+        differences = roundtrip_differences(saved_state, loaded_state)
+        if not differences:
+            continue
+        # Numeric when only sums differ (the deciding check's margin): their largest relative difference.
+        shared = [k for k in saved_state if k in loaded_state and saved_state[k]["dtypes"] == loaded_state[k]["dtypes"]]
+        relative = max((_relative(saved_state[k], loaded_state[k]) for k in shared), default=0.0)
+        numeric = relative > ROUNDTRIP_MATCH
+        c.fail(
+            label,
+            f"optimizer state on resume, {where}",
+            # A changed value is seen at the resumed run's first step, before any of its numbers; a lost
+            # entry has no step (the numbers that follow show where it matters).
+            step=(trace.get("steps") or [{}])[0].get("step") if numeric else None,
+            expected="the state saved",
+            got="; ".join(differences),
+            deviation=relative if numeric else None,
+            tolerance=ROUNDTRIP_MATCH if numeric else None,
+            kind="optimizer_state",
+            note="the checkpoint did not give the optimizer back the state it had when it was written",
+        )
 
 
 def reduction_dtypes(trace: dict[str, Any]) -> dict[str, int]:

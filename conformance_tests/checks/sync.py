@@ -191,3 +191,47 @@ def check_same_sync(c: Checker, scenario: Scenario, result: StrategyResult) -> N
                 against=f"scenario {scenario.same_sync_as!r}",
                 kind="sync",
             )
+
+
+def reduction_components(trace: dict[str, Any]) -> list[list[int]]:
+    """The ranks joined by the gradient reductions of every rank (each rank's groups, merged where they
+    share a rank): one set per group of replicas that exchanged gradients, sorted."""
+    components: list[set[int]] = []
+    for rt in trace.get("ranks") or [trace]:
+        groups = rt.get("process_groups") or {}
+        for name in (rt.get("collectives") or {}).get("gradient_groups") or {}:
+            joined = set(groups.get(name) or ())
+            if not joined:
+                continue
+            for other in [comp for comp in components if comp & joined]:
+                components.remove(other)
+                joined |= other
+            components.append(joined)
+    return sorted(sorted(comp) for comp in components)
+
+
+def check_reduction_groups(c: Checker, label: str, trace: dict[str, Any]) -> None:
+    """The gradient reductions (flight recorder: each collective's group) join every data-parallel replica.
+
+    Each rank's reductions of more than one element in forward/backward, over the groups they ran on, are
+    merged where groups share a rank (HSDP: the shard group, then the replicate group); every merged set
+    must hold exactly the strategy's ``data_parallel_size`` ranks, as its declaration (its mesh) says.
+    """
+    dp = trace.get("data_parallel_size", 1)
+    components = reduction_components(trace)
+    if dp < 2 or not components:
+        return
+    c.checks.append(
+        f"{label}: the gradient reductions' process groups join the {dp} data-parallel replicas "
+        f"(ranks joined: {components})"
+    )
+    wrong = [comp for comp in components if len(comp) != dp]
+    if wrong:
+        c.fail(
+            label,
+            "gradient reduction groups",
+            expected=f"groups of {dp} data-parallel replicas",
+            got=f"ranks joined: {components}",
+            kind="reduction_group",
+            note=f"the gradients were reduced over {wrong[0]} only, not over all {dp} data-parallel replicas",
+        )

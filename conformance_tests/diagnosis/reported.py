@@ -1,6 +1,6 @@
 """Rules read from what a strategy built, sent and reported, rather than from where the numbers left the reference.
 
-Each decides from direct evidence: the dtype the gradient reductions carried,
+Each decides from direct evidence: the dtype the gradient reductions carried and the groups they ran on,
 the optimizer's parameter groups, the state-dict key sets, where the
 reductions ran (inside ``clip_grad_norm``), the grad norm the
 strategy returned against the clip value, the initial value of a frozen
@@ -26,6 +26,20 @@ def reduction_dtype(e: Evidence) -> Finding | None:
         f"the gradient reductions carried {d.got} data (recorded from the process group's own record of each "
         f"collective); {d.note}. Reduce the gradients in their own dtype, or declare the precision owned by the "
         "strategy with the reduction dtype in its detail",
+    )
+
+
+def reduction_group(e: Evidence) -> Finding | None:
+    """Gradients reduced over fewer ranks than the data-parallel replicas (a subgroup, a node's ranks)."""
+    d = next(iter(e.by_kind.get("reduction_group", [])), None)
+    if d is None:
+        return None
+    return (
+        "reduction_group",
+        d,
+        f"the gradient reductions ran on process groups that join only {d.got} (torch's flight recorder names "
+        f"each collective's group); {d.note}, so the replicas' weights part. Reduce over the data-parallel "
+        "group of the declared mesh (every replica), or declare the mesh the reductions follow",
     )
 
 
@@ -142,13 +156,20 @@ def feature_rng(e: Evidence) -> Finding | None:
         asked = [k for k in ("activation_checkpointing", "compile") if features.get(k) not in (None, False)]
         if run is None or run.backend != "strategy" or not asked or not (d.against or "").startswith("strategy:"):
             continue
+        cause = (
+            "the recomputed forward drew other dropout masks than the forward that ran (the RNG state not "
+            "restored before recomputing: torch.utils.checkpoint's preserve_rng_state=False, or a hand-written "
+            "recompute), so the gradients are of another forward"
+            if "activation_checkpointing" in asked
+            else "the compiled run drew other dropout masks than the uncompiled one, although the suite compiles "
+            "random ops onto eager's generator (inductor's fallback_random): its compile path draws from the "
+            "training generator (a warm-up forward) or reseeds it"
+        )
         return (
             "feature_rng",
             d,
             f"{d.run} ({', '.join(f'{k}={features[k]!r}' for k in asked)}) differs from {d.against}, the same "
-            "strategy without it, on a model with Dropout: the recomputed forward drew other dropout masks than "
-            "the forward that ran (the RNG state not restored before recomputing: torch.utils.checkpoint's "
-            "preserve_rng_state=False, or a hand-written recompute), so the gradients are of another forward",
+            f"strategy without it, on a model with Dropout: {cause}",
         )
     return None
 
@@ -242,6 +263,7 @@ __all__ = [
     "optimizer_state_roundtrip",
     "param_groups",
     "reduction_dtype",
+    "reduction_group",
     "reported_grad_norm",
     "state_dict_keys",
 ]

@@ -31,6 +31,9 @@ precision_not_applied     precision_not_applied     a precision probe saw anothe
 reduction_dtype           reduction_dtype           under a precision the trainer applies, a gradient
                                                     reduction carried bf16/fp16 data (the process
                                                     group's record of each collective's payload)
+reduction_group           reduction_group           the gradient reductions' process groups (torch's
+                                                    flight recorder) join fewer ranks than the
+                                                    data-parallel replicas
 param_groups              param_groups              the optimizer the strategy steps lost or changed
                                                     the parameter groups the user's factory built
 state_dict_keys           state_dict_keys           the canonical state's key set is not the model's
@@ -60,7 +63,8 @@ resume_state              resume_state              only runs that resume a chec
                                                     checkpoint diverging -> the checkpoint is wrong
 feature_rng               feature_rng               on a model with Dropout, the run with activation
                                                     checkpointing (or compile) differs from the same
-                                                    strategy's run without: the recompute drew other masks
+                                                    strategy's run without: the recompute (or the compile
+                                                    path) drew other masks
 frozen_updated            frozen_updated            a frozen parameter moved in the strategy's final
                                                     state while the reference kept its initial value
 buffers_twice             buffers_twice             an integer buffer (a counter) ends at a whole
@@ -155,10 +159,11 @@ TITLES = {
     "buffers": "buffer updates lost",
     "buffers_twice": "buffer updates applied more than once",
     "reduction_dtype": "gradients reduced in a lower precision than declared",
+    "reduction_group": "gradients reduced over a subgroup of the data-parallel replicas",
     "param_groups": "the optimizer lost the factory's parameter groups",
     "state_dict_keys": "the state dict's names are not the model's own",
     "frozen_updated": "frozen parameters were updated",
-    "feature_rng": "the recomputed forward did not restore the RNG state",
+    "feature_rng": "a module feature changed the dropout masks (RNG state not preserved)",
     "optimizer_state_roundtrip": "the checkpoint changed the optimizer state on the way",
     "clip_before_sync": "gradients clipped by each replica's local norm before they were synchronised",
     "reported_grad_norm": "the reported grad norm is the clipped one",
@@ -187,6 +192,7 @@ RULES: tuple[Rule, ...] = (
     declared.premise,
     declared.precision_not_applied,
     reported.reduction_dtype,
+    reported.reduction_group,
     reported.param_groups,
     reported.state_dict_keys,
     declared.validation,
