@@ -1,7 +1,7 @@
 """``python -m benchmarks``: every benchmark in one run; prints tables and writes benchmarks/RESULTS.md.
 
 Sections (``--only`` picks some): ``overhead`` (unison / hand-written loop per
-backend), ``peer`` (unison / PyTorch Lightning ddp), ``profile`` (where the
+backend), ``peer`` (unison / PyTorch Lightning and Accelerate, ddp and fsdp), ``profile`` (where the
 gap to the hand-written loop goes, by function, for single and pipeline),
 ``framework`` (time outside backend calls, hook dispatch), ``worlds`` (memory at world 2 and 4,
 step time at world 1, 2, 4), ``data`` (sharded data: samples/s from local disk
@@ -103,7 +103,7 @@ def machine() -> dict[str, str]:
     }
 
 
-PACKAGES = ("unison", "torch", "deepspeed", "lightning", "pluggy", "numpy")
+PACKAGES = ("unison", "torch", "deepspeed", "lightning", "accelerate", "pluggy", "numpy")
 
 
 def _fmt_ratio(r: float, target: float = RATIO_TARGET) -> str:
@@ -192,29 +192,53 @@ def section_peer(w: Any, rounds: int, timeout: float) -> tuple[Table, dict[str, 
     from unison.launch.torchrun import spawn
 
     out = spawn(world_peer, 2, w, rounds, timeout=timeout)[0]
-    u, lt = statistics.median(out["times"]["unison"]), statistics.median(out["times"]["lightning"])
-    per_round = [a / b for a, b in zip(out["times"]["unison"], out["times"]["lightning"])]
     table = Table(
-        f"Peer, {w.name} workload: unison ddp / PyTorch Lightning ddp (accumulation and clipping, same global batches)",
+        f"Peers, {w.name} workload: unison / PyTorch Lightning and unison / Hugging Face Accelerate, ddp and fsdp "
+        "(accumulation and clipping, same global batches)",
         [
+            "strategy",
             "Lightning ms/step",
+            "Accelerate ms/step",
             "unison ms/step",
-            "ratio (target <= 1.0: below Lightning)",
-            "per-round ratios",
-            "max abs final-weight difference",
+            "unison / Lightning (target <= 1.0)",
+            "unison / Accelerate (target <= 1.0)",
+            "per-round ratios (Lightning; Accelerate)",
+            "max abs final-weight difference (Lightning; Accelerate)",
             "max abs weight change in training",
         ],
-        f"Lightning {_version('lightning')}, 2 gloo ranks, median of {rounds} alternated rounds.",
+        f"Lightning {_version('lightning')}, Accelerate {_version('accelerate')}, 2 gloo ranks, median of {rounds} "
+        "rounds whose order rotates. fsdp: FSDP2 in all three (Lightning's ModelParallelStrategy, Accelerate's "
+        "FSDP2 plugin), every Linear its own unit.",
     )
-    table.add(
-        f"{lt * 1e3:.2f}",
-        f"{u * 1e3:.2f}",
-        _fmt_ratio(u / lt, 1.0),
-        " ".join(f"{r:.2f}" for r in per_round),
-        f"{out['max_abs_weight_diff']:.2e}",
-        f"{out['max_abs_weight_change']:.2e}",
-    )
-    return table, {**out, "ratio": u / lt}
+    summary: dict[str, Any] = {}
+    for strategy, o in out.items():
+        t = {who: statistics.median(v) for who, v in o["times"].items() if v}
+        ratios = {who: t["unison"] / t[who] for who in ("lightning", "accelerate") if who in t}
+        per_round = {
+            who: " ".join(f"{a / b:.2f}" for a, b in zip(o["times"]["unison"], o["times"][who]))
+            for who in ("lightning", "accelerate")
+        }
+        diff = o["max_abs_weight_diff"]
+
+        def cell(who: str, text: str, t: dict[str, float] = t) -> str:
+            return text if who in t else "n/a"
+
+        table.add(
+            strategy,
+            cell("lightning", f"{t.get('lightning', 0) * 1e3:.2f}"),
+            cell("accelerate", f"{t.get('accelerate', 0) * 1e3:.2f}"),
+            f"{t['unison'] * 1e3:.2f}",
+            cell("lightning", _fmt_ratio(ratios.get("lightning", 0), 1.0)),
+            cell("accelerate", _fmt_ratio(ratios.get("accelerate", 0), 1.0)),
+            f"{per_round['lightning'] or 'n/a'}; {per_round['accelerate'] or 'n/a'}",
+            "; ".join(f"{diff[who]:.2e}" if who in diff else "n/a" for who in ("lightning", "accelerate")),
+            f"{o['max_abs_weight_change']:.2e}",
+        )
+        summary[strategy] = {**o, **{f"ratio_{who}": r for who, r in ratios.items()}}
+    notes = sorted({reason for o in out.values() for reason in o["unavailable"].values()})
+    if notes:
+        table.note += " n/a: " + "; ".join(notes) + "."
+    return table, summary
 
 
 def section_profile(w: Any, timeout: float) -> tuple[list[Table], dict[str, Any]]:
