@@ -258,9 +258,9 @@ def _eager_random(run: Run) -> contextlib.AbstractContextManager[Any]:
     """
     if not dict(run.overrides).get("compile"):
         return contextlib.nullcontext()
-    import torch._inductor.config
+    from unison._upstream.torch import eager_random_ops
 
-    return torch._inductor.config.patch(fallback_random=True)
+    return eager_random_ops()
 
 
 @contextlib.contextmanager

@@ -191,11 +191,11 @@ def flight_entries() -> list[FlightEntry]:
     """This process's flight recorder entries (empty when the recorder is off or unavailable)."""
     import json
 
-    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
-    if dump is None:
-        return []
+    from unison._upstream.torch import flight_recorder_json
+
     try:
-        entries = json.loads(dump(True, False)).get("entries") or []
+        text = flight_recorder_json()
+        entries = (json.loads(text).get("entries") or []) if text else []
     except (RuntimeError, ValueError):
         return []
     out = []
@@ -233,12 +233,12 @@ def process_groups() -> dict[str, list[int]]:
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return {}
-    from torch.distributed import distributed_c10d as c10d
+    from unison._upstream.torch import process_group_names
 
     out = {}
-    for pg, name in list(c10d._world.pg_names.items()):
+    for group, name in process_group_names().items():
         try:
-            out[str(name)] = sorted(int(r) for r in c10d.get_process_group_ranks(pg))
+            out[name] = sorted(int(r) for r in dist.get_process_group_ranks(group))
         except (RuntimeError, ValueError, KeyError):
             continue
     return out

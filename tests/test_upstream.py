@@ -228,6 +228,23 @@ def test_nccl_flight_recorder_is_absent_on_a_cpu_build():
     assert torch_adapter.nccl_flight_recorder_dump() is None
 
 
+def test_eager_random_ops_compiles_random_ops_onto_eager_generator_and_restores_the_config(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.fallback_random
+    with torch_adapter.eager_random_ops():
+        assert inductor_config.fallback_random is True
+    assert inductor_config.fallback_random == before
+    # The flight recorder's reader and the group registry are read in tests/test_trace_collectives.py (a
+    # real gloo world); gone, each warns and records nothing.
+    monkeypatch.delattr(torch._C._distributed_c10d, "_dump_fr_trace_json")
+    with pytest.warns(RuntimeWarning, match="_dump_fr_trace_json"):
+        assert torch_adapter.flight_recorder_json() is None
+    monkeypatch.delattr(torch.distributed.distributed_c10d, "_world")
+    with pytest.warns(RuntimeWarning, match="pg_names"):
+        assert torch_adapter.process_group_names() == {}
+
+
 def test_a_missing_private_name_warns_and_falls_back(monkeypatch):
     tensors = [torch.randn(2, 3), torch.randn(4)]
     monkeypatch.delattr(torch._utils, "_flatten_dense_tensors")

@@ -10,6 +10,9 @@ against the installed torch.
 
 * ``torch.distributed.distributed_c10d._set_pg_timeout``: :func:`set_default_group_timeout`;
 * ``torch._C._distributed_c10d._dump_nccl_trace``: :func:`nccl_flight_recorder_dump`;
+* ``torch._C._distributed_c10d._dump_fr_trace_json``: :func:`flight_recorder_json`;
+* ``torch.distributed.distributed_c10d._world.pg_names``: :func:`process_group_names`;
+* ``torch._inductor.config.fallback_random``: :func:`eager_random_ops`;
 * ``torch.distributed.elastic`` ``SubprocessContext._failures``: :func:`torchrun_worker_failures`;
 * ``torch.utils.data._utils.worker._worker_info``: :func:`hidden_loader_worker`;
 * ``_MultiProcessingDataLoaderIter._shutdown_workers``: :func:`shutdown_loader_workers`;
@@ -95,6 +98,55 @@ def nccl_flight_recorder_dump() -> bytes | None:
         return None
     data: bytes = dump(True, True, False)  # collectives, stack traces, not only the active ones
     return data
+
+
+def flight_recorder_json() -> str | None:
+    """Every backend's flight recorder record as JSON (collectives, no stack traces), or ``None``.
+
+    Unlike :func:`nccl_flight_recorder_dump` this reader exists on CPU builds and records gloo's
+    collectives too (each with its process group, sizes, dtypes and creation time) when
+    ``TORCH_FR_BUFFER_SIZE`` is set before the first process group starts. No public API reads the
+    recorder from inside the process.
+    """
+    _check()
+    # PRIVATE torch._C._distributed_c10d._dump_fr_trace_json: the recorder's in-process reader for every backend.
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
+    if dump is None:
+        _missing("torch._C._distributed_c10d._dump_fr_trace_json", "no collective's process group is recorded")
+        return None
+    text: str = dump(True, False)  # collectives, no stack traces
+    return text
+
+
+def process_group_names() -> dict[Any, str]:
+    """Every live process group of this process with its name (the name the flight recorder records).
+
+    ``torch.distributed`` has ``get_process_group_ranks(group)`` but no public list of the groups.
+    """
+    _check()
+    # PRIVATE distributed_c10d._world.pg_names: the registry of every group made in this process.
+    world = getattr(torch.distributed.distributed_c10d, "_world", None)
+    if world is None or not hasattr(world, "pg_names"):
+        _missing("distributed_c10d._world.pg_names", "no process group is named")
+        return {}
+    return {group: str(name) for group, name in list(world.pg_names.items())}
+
+
+def eager_random_ops() -> Any:
+    """A context in which ``torch.compile`` (inductor) compiles random ops onto eager's generator.
+
+    Inductor otherwise draws compiled random numbers from its own Philox stream (pytorch/pytorch#118735, by
+    design), so a compiled forward with dropout cannot equal the same forward uncompiled. The switch,
+    ``fallback_random``, is a config of the private ``torch._inductor`` package.
+    """
+    _check()
+    # PRIVATE torch._inductor.config.fallback_random: compile random ops as calls of the eager ops.
+    import torch._inductor.config as inductor_config
+
+    if not hasattr(inductor_config, "fallback_random"):
+        _missing("torch._inductor.config.fallback_random", "compiled random ops keep inductor's generator")
+        return contextlib.nullcontext()
+    return inductor_config.patch(fallback_random=True)
 
 
 def torchrun_worker_failures(pcontext: Any) -> dict[int, Any]:
