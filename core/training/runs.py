@@ -52,7 +52,7 @@ from typing import Any
 from unison.checkpointing.admission import resume_point
 from unison.checkpointing.checkpointer import Checkpointer
 from unison.checkpointing.nofollow import refuse_link
-from unison.checkpointing.resume import CkptPath, ResumeKind, ResumeRequest
+from unison.checkpointing.resume import ResumeKind, ResumeRequest
 from unison.checkpointing.storage import split_url
 from unison.errors import ConfigurationError
 
@@ -148,7 +148,7 @@ def new_version(root: Path, taken: list[str] | tuple[str, ...] = ()) -> Path:
             n += 1
 
 
-def plan_run(root_dir: str, ckpt_path: CkptPath, checkpoints_inside: bool) -> Path | None:
+def plan_run(root_dir: str, request: ResumeRequest, checkpoints_inside: bool) -> Path | None:
     """The version directory a fit continues, or ``None`` for a fresh one (reads only; creates nothing).
 
     ``checkpoints_inside``: the run's checkpoints live in
@@ -157,7 +157,6 @@ def plan_run(root_dir: str, ckpt_path: CkptPath, checkpoints_inside: bool) -> Pa
     gets a fresh version. A launcher's choice in :data:`RUN_DIR_ENV` wins
     when it lies under ``root_dir``.
     """
-    request = ResumeRequest.parse(ckpt_path)
     root = check_root(root_dir).absolute()
     given = os.environ.get(RUN_DIR_ENV)
     if given and Path(given).parent == root:
@@ -180,10 +179,9 @@ def plan_run(root_dir: str, ckpt_path: CkptPath, checkpoints_inside: bool) -> Pa
     return path.parent.parent if inside else None
 
 
-def resume_step(checkpointer: Checkpointer, ckpt_path: CkptPath) -> tuple[int, str] | None:
+def resume_step(checkpointer: Checkpointer, request: ResumeRequest) -> tuple[int, str] | None:
     """``(step, path)`` of the checkpoint a fit will resume from, from its manifest (unverified: read before
     any process group; ``None`` for a fresh start)."""
-    request = ResumeRequest.parse(ckpt_path)
     if request.fresh:
         return None
     if request.newest:
@@ -193,7 +191,7 @@ def resume_step(checkpointer: Checkpointer, ckpt_path: CkptPath) -> tuple[int, s
     return resume_point(request.path), str(request)
 
 
-def prepare(trainer: Any, ckpt_path: CkptPath, world_size: int) -> None:
+def prepare(trainer: Any, request: ResumeRequest, world_size: int) -> None:
     """Before the process group: choose (or find) the run directory and the checkpointer that writes into it.
 
     Sets ``trainer.run_dir`` (made now unless ranks of a bare ``torchrun``
@@ -204,7 +202,7 @@ def prepare(trainer: Any, ckpt_path: CkptPath, world_size: int) -> None:
     s = trainer.settings
     if s.root_dir is not None:
         inside = s.checkpoint_dir is None
-        path = plan_run(s.root_dir, ckpt_path, inside)
+        path = plan_run(s.root_dir, request, inside)
         if path is None and world_size == 1:
             path = new_version(check_root(s.root_dir).absolute())
         trainer.run_dir = path
@@ -215,7 +213,7 @@ def prepare(trainer: Any, ckpt_path: CkptPath, world_size: int) -> None:
                 refuse_links_in(path)
             trainer.checkpointer = Checkpointer(where, s.keep_last_n_checkpoints)
     if trainer.checkpointer is not None:
-        found = resume_step(trainer.checkpointer, ckpt_path)
+        found = resume_step(trainer.checkpointer, request)
         trainer.resumed_from = {"step": found[0], "checkpoint": found[1]} if found else None
 
 
@@ -247,7 +245,7 @@ def refuse_links_in(version: Path) -> None:
         refuse_link(entry.path, "root_dir")
 
 
-def choose_for_workers(settings: Any, ckpt_path: CkptPath) -> None:
+def choose_for_workers(settings: Any, request: ResumeRequest) -> None:
     """In a launcher, before any worker starts: the checks and the choice of a single-node job's run directory.
 
     An explicit ``checkpoint_dir`` holding another run's checkpoints is
@@ -256,7 +254,7 @@ def choose_for_workers(settings: Any, ckpt_path: CkptPath) -> None:
     every restart of the job, writes to the same directory.
     """
     if settings.checkpoint_dir is not None:
-        Checkpointer(settings.checkpoint_dir).admission.claim(ckpt_path)
+        Checkpointer(settings.checkpoint_dir).admission.claim(request)
     if settings.root_dir is not None:
-        path = plan_run(settings.root_dir, ckpt_path, settings.checkpoint_dir is None)
+        path = plan_run(settings.root_dir, request, settings.checkpoint_dir is None)
         os.environ[RUN_DIR_ENV] = str(path or new_version(check_root(settings.root_dir).absolute()))
