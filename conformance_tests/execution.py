@@ -45,6 +45,7 @@ from unison.conformance.profiling import (
     process_groups,
     profile_collectives,
     records,
+    records_groups,
     records_payloads,
 )
 from unison.conformance.sensitivity import PrecisionProbe, probes_apply
@@ -197,7 +198,11 @@ def execute_run(
             data_parallel_size=trainer.strategy.data_parallel_size(torch.distributed.get_world_size())
             if dist_on
             else 1,
-            collectives=analyse_collectives(records(prof_box[0], flight_entries())) if prof_box else None,
+            collectives=analyse_collectives(
+                records(prof_box[0], flight_entries() if records_groups(scenario) else None)
+            )
+            if prof_box
+            else None,
             # Group name -> ranks, at the first step and at the end (a group destroyed at teardown included).
             process_groups={**recorder.process_groups, **process_groups()},
             state=trainer.full_state_dict(),

@@ -30,7 +30,8 @@ record (``gloo:all_reduce``): ``reduction_dtypes`` counts the dtypes of
 reductions of more than one element inside the forward/backward windows
 (gradients, not a loss or a norm). The process group of each call comes from torch's flight
 recorder (:func:`enable_flight_recorder`, :func:`flight_entries`: its entries carry the group, on the
-profiler's clock); ``gradient_groups`` counts the groups of those reductions.
+profiler's clock), read where :func:`records_groups` says so; ``gradient_groups`` counts the groups of
+those reductions.
 
 The records are read from the profiler's raw (Kineto) results (:func:`records`), not from its
 ``FunctionEvent`` tree, which costs about 0.4 s per run and rank to build.
@@ -163,8 +164,10 @@ def records(prof: Any, flight: list[FlightEntry] | None = None) -> list[Record]:
     return _with_groups(out, flight or [])
 
 
-#: Entries the flight recorder keeps (a ring): far more than one fit of the suite's tiny models makes.
-FLIGHT_RECORDER_ENTRIES = 5_000
+#: Entries the flight recorder keeps (a ring of the process's latest collectives): more than one fit of the
+#: suite's tiny models makes, and few enough to read cheaply (a dump and its parse take about 48 ms at 1000
+#: entries, 195 ms at 5000, read at the end of each run that records groups).
+FLIGHT_RECORDER_ENTRIES = 1_000
 
 
 def enable_flight_recorder() -> None:
@@ -328,6 +331,13 @@ def records_payloads(scenario: Any) -> bool:
     time per run): in every mixed-precision scenario, where the reduction dtype is checked, and in ``plain``,
     which shows it for fp32."""
     return scenario.precision != "32-true" or scenario.name == "plain"
+
+
+def records_groups(scenario: Any) -> bool:
+    """Whether a run of ``scenario`` reads each collective's process group from the flight recorder (a dump
+    per run and rank, see :data:`FLIGHT_RECORDER_ENTRIES`): where payloads are recorded, and in
+    ``accumulation``. A reduction over a subgroup shows in every scenario; these see it."""
+    return records_payloads(scenario) or scenario.name == "accumulation"
 
 
 @contextlib.contextmanager
