@@ -208,7 +208,7 @@ def section_peer(w: Any, rounds: int, timeout: float) -> tuple[Table, dict[str, 
         ],
         f"Lightning {_version('lightning')}, Accelerate {_version('accelerate')}, 2 gloo ranks, median of {rounds} "
         "rounds whose order rotates. fsdp: FSDP2 in all three (Lightning's ModelParallelStrategy, Accelerate's "
-        "FSDP2 plugin), every Linear its own unit.",
+        f"FSDP2 plugin), every {'/'.join(w.shard_classes)} its own unit.",
     )
     summary: dict[str, Any] = {}
     for strategy, o in out.items():

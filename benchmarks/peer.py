@@ -7,8 +7,9 @@ their DataLoader yields this rank's slice of each micro-batch in unison's order
 (Lightning: ``use_distributed_sampler=False``, so it does not substitute its own
 shuffling sampler; Accelerate: the loader is not prepared), and each divides each
 micro-batch's loss by the accumulation count and clips by the global norm, as unison
-does. Under fsdp each shards every ``Linear`` and the root with ``fully_shard``, as
-unison's fsdp does here (Lightning: ``ModelParallelStrategy``'s ``configure_model``;
+does. Under fsdp each shards the workload's units (every ``Linear`` of the MLP, every
+block of the language model) and the root with ``fully_shard``, as unison's fsdp does
+here (Lightning: ``ModelParallelStrategy``'s ``configure_model``;
 Accelerate: its FSDP2 plugin, which it applies on accelerators only: on CPU its
 ``MULTI_CPU`` state ignores the plugin and wraps DDP, so Accelerate has no fsdp row
 here). The final weights of one round are compared with unison's, parameter by
