@@ -57,6 +57,26 @@ def _feature_runs(option: str, value: object) -> tuple[Run, ...]:
     return (Run("main", "reference"), Run("main", "strategy", twin="main", overrides=((option, value),)))
 
 
+def _feature_rng_scenario(name: str, description: str, feature: tuple[str, object]) -> Scenario:
+    """The Dropout model trained by the strategy with ``feature`` (option, value) and without: equal, so the
+    feature preserved the RNG stream; compared with the strategy's own run (masks depend on the world size)."""
+    return Scenario(
+        name,
+        description,
+        model="dropout_blocks",
+        optimizer="sgd",
+        accumulate_grad_batches=2,
+        # Other masks change the first step's gradients: three steps show it (a recompute without the RNG
+        # state: 180x the tolerance after six), at half the cost of every strategy's six.
+        max_steps=3,
+        runs=(
+            Run("off", "reference"),
+            Run("off", "strategy"),
+            Run("on", "strategy", overrides=(feature,), same_as=("off",)),
+        ),
+    )
+
+
 #: The token scenarios' reference runs: at accumulation 1 (the whole global batch in one micro-batch), and the
 #: control trained on each micro-batch slice's own token mean.
 FULL_BATCH, SLICE_MEAN = "full_batch", "slice_mean"
@@ -255,38 +275,20 @@ SCENARIOS: tuple[Scenario, ...] = (
         probe="activation_checkpointing",
         runs=_feature_runs("activation_checkpointing", "full"),
     ),
-    Scenario(
+    _feature_rng_scenario(
         "activation_checkpointing_rng",
         'a Dropout model trained by the strategy with activation_checkpointing="full" and without, accumulation '
         "2: equal (the recomputed forward restores the RNG state, so it draws the masks the forward drew); "
         "compared with the strategy's own run, since dropout masks depend on the world size",
-        model="dropout_blocks",
-        optimizer="sgd",
-        accumulate_grad_batches=2,
-        # Other masks in the recompute change the first step's gradients: three steps show it (180x the
-        # tolerance after six with preserve_rng_state=False), at half the cost of every strategy's six.
-        max_steps=3,
-        runs=(
-            Run("off", "reference"),
-            Run("off", "strategy"),
-            Run("on", "strategy", overrides=(("activation_checkpointing", "full"),), same_as=("off",)),
-        ),
+        ("activation_checkpointing", "full"),
     ),
-    Scenario(
+    _feature_rng_scenario(
         "compile_rng",
         "the Dropout model trained by the strategy with compile=True and without, accumulation 2: equal (the "
         "suite compiles with inductor's fallback_random, so compiled dropout draws from the generator eager "
-        "dropout draws from: a compile path that draws from it, or restores it, is seen); compared with the "
+        "dropout draws from: a compile path that draws from it, or reseeds it, is seen); compared with the "
         "strategy's own run, since dropout masks depend on the world size",
-        model="dropout_blocks",
-        optimizer="sgd",
-        accumulate_grad_batches=2,
-        max_steps=3,
-        runs=(
-            Run("off", "reference"),
-            Run("off", "strategy"),
-            Run("on", "strategy", overrides=(("compile", True),), same_as=("off",)),
-        ),
+        ("compile", True),
     ),
     Scenario(
         "resume",
