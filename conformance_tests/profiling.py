@@ -182,11 +182,11 @@ def enable_flight_recorder() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class FlightEntry:
-    """One collective as torch's flight recorder kept it: created at ``created`` (ns), on group ``group``."""
+    """One collective as torch's flight recorder kept it: created at ``created`` (ns), on group ``group``, with
+    ``numel`` input elements."""
 
     created: int
     group: str
-    op: str
     numel: int
 
 
@@ -205,7 +205,7 @@ def flight_entries() -> list[FlightEntry]:
     for e in entries:
         sizes = e.get("input_sizes") or []
         numel = sum(math.prod(size) for size in sizes)
-        out.append(FlightEntry(int(e["time_created_ns"]), str(e["process_group"][0]), e["profiling_name"], numel))
+        out.append(FlightEntry(int(e["time_created_ns"]), str(e["process_group"][0]), numel))
     return out
 
 
@@ -257,8 +257,8 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
     functional: list[tuple[float, float]] = []
     #: Reductions of more than one element (gradients, not a loss or a norm): (start, dtype).
     reductions: list[tuple[float, str]] = []
-    #: Calls of more than one element whose group the flight recorder named: (start, group name).
-    grouped: list[tuple[float, str]] = []
+    #: Calls of more than one element whose group the flight recorder named: (start, kind, group name).
+    grouped: list[tuple[float, str, str]] = []
     for e in events:
         name = e.name
         if name.startswith(FUNCTIONAL_PREFIX) and not name.endswith("wait_tensor"):
@@ -273,9 +273,10 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
             backward_ends.append(e.end)
         elif name.startswith("c10d::") and not e.redispatched:
             op = name[len("c10d::") :]
-            calls.append((e.start, COLLECTIVE_KINDS.get(op, f"other:{op}")))
+            kind = COLLECTIVE_KINDS.get(op, f"other:{op}")
+            calls.append((e.start, kind))
             if e.group and e.numel > 1:
-                grouped.append((e.start, e.group))
+                grouped.append((e.start, kind, e.group))
         elif name.startswith(PAYLOAD_PREFIXES) and "reduce" in name:
             found = payload(e)
             if found is not None and found[1] > 1:
@@ -307,8 +308,12 @@ def analyse_collectives(events: Any) -> dict[str, Any]:
             micro.append(grad_syncs(start, end, open_start=i > 0))
             start = end
         per_micro_step.append(micro)
-    kind_at = dict(calls)
-    groups = Counter(group for t, group in grouped if kind_at.get(t) in GRADIENT_SYNC_KINDS and inside(t, windows))
+    # Gradient reductions only: DTensor's activation collectives (inside a functional op) are not.
+    groups = Counter(
+        group
+        for t, kind, group in grouped
+        if kind in GRADIENT_SYNC_KINDS and not inside(t, functional) and inside(t, windows)
+    )
     grad_in_no_sync = sum(1 for t, kind in calls if kind in GRADIENT_SYNC_KINDS and inside(t, no_sync))
     return {
         # The dtypes that reductions of more than one element carried in the forward/backward windows.
