@@ -144,11 +144,11 @@ def run_accelerate(w: Workload, strategy: str) -> dict[str, Any]:
             transformer_cls_names_to_wrap=list(w.shard_classes),
         )
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=w.accumulate, fsdp_plugin=plugin)
-    model = w.model()
-    optimizer = w.optimizer(model.parameters())
     if plugin is not None and accelerator.distributed_type is not DistributedType.FSDP:
         AcceleratorState._reset_state(reset_partial_state=True)
         return {"unavailable": ACCELERATE_FSDP_ON_CPU}
+    model = w.model()
+    optimizer = w.optimizer(model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)
     stamps: list[float] = []
     batches = iter(w.loader(world, rank))  # not prepared: unison's slices of the same global batches
