@@ -149,7 +149,7 @@ def distributed_costs(w: Workload, strategy: str = "ddp") -> dict[str, float]:
     class Instrument:
         @unison.hookimpl
         def unison_on_fit_start(self, trainer: Any) -> None:
-            loop = trainer._loop  # the fit's TrainLoop (unison.training.loop), set up before fit_start
+            loop = trainer._fit.loop  # the fit's TrainLoop (unison.training.record), set up before fit_start
             stop, started = loop.stop, []
             collect, agree = stop.collect, stop.agree
 

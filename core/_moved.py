@@ -123,7 +123,11 @@ COLLIDING: dict[str, dict[str, str]] = {
 
 # Names an old module had that its new module no longer holds -> where they live today.
 MOVED_ON: dict[str, dict[str, str]] = {
-    "trainer": {"NonFiniteError": "training.outputs", "StepOutput": "training.outputs"},
+    "trainer": {
+        "NonFiniteError": "training.outputs",
+        "StepOutput": "training.outputs",
+        "build_strategy": "training.declaration",
+    },
     "remote_storage": {"DEFAULT_RETRY_S": "checkpointing.retry", "retry_budget": "checkpointing.retry"},
     "storage": {"REMOTE_SCHEMES": ""},
 }

@@ -61,7 +61,7 @@ from unison.contract.settings import TrainerSettings
 from unison.data.batch import count_tokens
 from unison.data.plan import (
     BatchPlan,
-    check_divisible,
+    StepSizes,
     local_slices,
 )
 from unison.data.read_ahead import ReadStats
@@ -91,6 +91,8 @@ class TrainData:
         collate_fn: list of samples -> batch (default ``default_collate``).
         settings: the trainer settings (batch sizes, seed, shuffle, loader options).
         data_parallel_size / data_parallel_rank: this replica's place.
+        sizes: the step's sizes as the fit checked them (:class:`~unison.data.plan.StepSizes`); made from
+            ``settings`` and ``data_parallel_size`` when not given.
         to_device: moves a collated batch to the rank's device (the strategy's ``to_device``).
         token_counter: the token rule (default :func:`unison.data.batch.count_tokens`).
     """
@@ -101,22 +103,27 @@ class TrainData:
         collate_fn: CollateFn | None,
         settings: TrainerSettings,
         *,
-        data_parallel_size: int,
+        data_parallel_size: int | None = None,
         data_parallel_rank: int,
+        sizes: StepSizes | None = None,
         to_device: Callable[..., Any] | None = None,
         token_counter: Callable[[Any], int | None] | None = None,
     ) -> None:
         self.settings = settings
         self.dataset, self.collate_fn, self.options = resolve_source(source, collate_fn, settings)
         self.map_style = is_map_style(self.dataset)
-        self.replicas, self.rank = data_parallel_size, data_parallel_rank
-        check_divisible(settings.global_batch_size, settings.accumulate_grad_batches, data_parallel_size)
+        if sizes is None:
+            if data_parallel_size is None:
+                raise TypeError("TrainData needs sizes or data_parallel_size")
+            sizes = StepSizes(settings.global_batch_size, settings.accumulate_grad_batches, data_parallel_size)
+        self.sizes = sizes
+        self.replicas, self.rank = sizes.data_parallel_size, data_parallel_rank
         self.plan = (
             BatchPlan(
                 len(self.dataset),
-                settings.global_batch_size,
-                settings.accumulate_grad_batches,
-                data_parallel_size,
+                sizes.global_batch_size,
+                sizes.accumulate_grad_batches,
+                sizes.data_parallel_size,
                 data_parallel_rank,
                 settings.seed,
                 settings.shuffle,

@@ -19,25 +19,47 @@ import torch
 from unison.errors import ConfigurationError
 
 
+@dataclass(frozen=True)
+class StepSizes:
+    """The sizes of one optimizer step, checked once where they are made: ``global_batch_size`` samples in
+    ``accumulate_grad_batches`` micro-batches, each split over ``data_parallel_size`` replicas.
+
+    A value that exists divides: a size that does not is a ConfigurationError naming ``global_batch_size``
+    and the multiple that would. Made once per fit, from the settings and the strategy's data-parallel
+    size (:func:`unison.training.preflight.declare`), and handed to the data path.
+    """
+
+    global_batch_size: int
+    accumulate_grad_batches: int
+    data_parallel_size: int
+
+    def __post_init__(self) -> None:
+        g, a, d = self.global_batch_size, self.accumulate_grad_batches, self.data_parallel_size
+        if g % a:
+            raise ConfigurationError(
+                "global_batch_size",
+                f"global_batch_size={g} does not divide into accumulate_grad_batches={a} micro-batches",
+                "make global_batch_size a multiple of accumulate_grad_batches",
+            )
+        micro = g // a
+        if micro % d:
+            raise ConfigurationError(
+                "global_batch_size",
+                f"each micro-batch of {micro} samples (global_batch_size={g} / accumulate_grad_batches={a}) does "
+                f"not split over {d} data-parallel replicas",
+                f"make global_batch_size a multiple of accumulate_grad_batches * {d} "
+                f"(e.g. {a * d * max(1, -(-micro // d))})",
+            )
+
+    @property
+    def micro_batch_size(self) -> int:
+        """Samples per micro-batch, all replicas together."""
+        return self.global_batch_size // self.accumulate_grad_batches
+
+
 def check_divisible(global_batch_size: int, accumulate_grad_batches: int, data_parallel_size: int) -> None:
-    """Raise a ConfigurationError naming the option when sizes do not divide."""
-    if global_batch_size % accumulate_grad_batches:
-        raise ConfigurationError(
-            "global_batch_size",
-            f"global_batch_size={global_batch_size} does not divide into accumulate_grad_batches="
-            f"{accumulate_grad_batches} micro-batches",
-            "make global_batch_size a multiple of accumulate_grad_batches",
-        )
-    micro = global_batch_size // accumulate_grad_batches
-    if micro % data_parallel_size:
-        raise ConfigurationError(
-            "global_batch_size",
-            f"each micro-batch of {micro} samples (global_batch_size={global_batch_size} / "
-            f"accumulate_grad_batches={accumulate_grad_batches}) does not split over "
-            f"{data_parallel_size} data-parallel replicas",
-            f"make global_batch_size a multiple of accumulate_grad_batches * {data_parallel_size} "
-            f"(e.g. {accumulate_grad_batches * data_parallel_size * max(1, -(-micro // data_parallel_size))})",
-        )
+    """Raise a ConfigurationError naming the option when sizes do not divide (:class:`StepSizes`'s check)."""
+    StepSizes(global_batch_size, accumulate_grad_batches, data_parallel_size)
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,7 +106,7 @@ class BatchPlan:
     order: Callable[[int, int], torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
-        check_divisible(self.global_batch_size, self.accumulate_grad_batches, self.data_parallel_size)
+        StepSizes(self.global_batch_size, self.accumulate_grad_batches, self.data_parallel_size)
         if self.dataset_size < self.global_batch_size:
             raise ConfigurationError(
                 "global_batch_size",

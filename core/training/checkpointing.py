@@ -84,6 +84,8 @@ class CheckpointManager:
         self._states = states
         self._rng = RNGState()
         self._every_n_steps = trainer.settings.checkpoint_every_n_steps
+        #: ``{"step": N, "checkpoint": PATH}`` of the checkpoint :meth:`load` loaded (``trainer.resumed_from``).
+        self.resumed_from: dict[str, Any] | None = None
 
     # -- policy ------------------------------------------------------------------ #
     def should_save(self, step: int) -> bool:
@@ -157,6 +159,6 @@ class CheckpointManager:
         else:
             seed_everything(trainer.settings.seed + trainer.progress.global_step + 7919 * env.rank)
         trainer.pm.unison_on_load_checkpoint(trainer=trainer, checkpoint=state)
-        trainer.resumed_from = {"step": trainer.progress.global_step, "checkpoint": str(path)}
+        self.resumed_from = {"step": trainer.progress.global_step, "checkpoint": str(path)}
         if env.rank == 0 and trainer.settings.progress != "off":  # an info line, like the progress display's
             messages.say(f"unison: resuming from step {trainer.progress.global_step}: {path}")

@@ -1,12 +1,13 @@
 """Everything a fit checks and builds before any process group exists.
 
 A bad option, model, loss or optimizer must fail in seconds, on every rank
-alike, before a rendezvous or a strategy's setup: here are the settings
-checked against the strategy's declaration (:func:`build_strategy`, also run
-by launchers before workers start), the loss form, the model built (seeded
-when given as a factory), the optimizer and scheduler factories probed on the
-real parameters, the first batch's shape, and the resume request with its run
-directory and checkpoint directory (:func:`prepare_fit` runs them in order).
+alike, before a rendezvous or a strategy's setup. The settings are checked
+against the strategy's declaration when the trainer is made
+(:func:`unison.training.declaration.declare`); :func:`prepare_fit` checks the
+rest in order (the loss form, the model built, seeded when given as a
+factory, the optimizer and scheduler factories probed on the real parameters,
+the first batch's shape, the resume request with its run directory and
+checkpoint directory) and returns the fit's :class:`FitPlan`.
 """
 
 from __future__ import annotations
@@ -14,37 +15,34 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from unison.checkpointing.admission import check_resume_step, resume_point
+from unison.checkpointing.checkpointer import Checkpointer
 from unison.checkpointing.resume import CkptPath, ResumeRequest
-from unison.contract.env import resolve_accelerator
 from unison.contract.ownership import Feature
 from unison.contract.settings import TrainerSettings
 from unison.contract.state import seed_everything
-from unison.contract.strategy import LossFn, Strategy, check_contract
-from unison.contract.transforms import compile_options, required_blocks
+from unison.contract.strategy import LossFn, Strategy
+from unison.contract.transforms import required_blocks
 from unison.data.loader import TrainData
-from unison.data.plan import check_divisible
-from unison.errors import ConfigurationError, DeclaredRefusal
+from unison.errors import ConfigurationError
 from unison.launch.lifecycle import collective_timeout_s
 from unison.launch.watchdog import check_stall_timeout
-from unison.plugin.manager import PluginManager
 from unison.training import runs
+from unison.training.declaration import Declared, build_strategy, declare, refuse
 from unison.training.losses import check_huggingface_path, huggingface_training_step
 from unison.training.validation import ValidationSource, resolve_validation
-
-if TYPE_CHECKING:
-    from unison.training.trainer import Trainer
 
 OptimizerArg = Callable[[Any], torch.optim.Optimizer]
 SchedulerArg = Callable[[torch.optim.Optimizer], Any]
 TrainingStep = Callable[[Any, Any], Any]  # the mean loss, or (loss_sum, num_items)
 
 __all__ = [
-    "FitInputs",
+    "Declared",
+    "FitPlan",
     "OptimizerArg",
     "SchedulerArg",
     "TrainingStep",
@@ -52,71 +50,10 @@ __all__ = [
     "build_strategy",
     "check_loss_fn",
     "checked_optimizer",
+    "declare",
     "prepare_fit",
     "probe_optimizer",
 ]
-
-
-def refuse(strategy: Strategy, feature: Feature, option: str, fix: str) -> None:
-    reason = strategy.ownership.refusal(feature)
-    if reason is not None:
-        raise DeclaredRefusal(
-            option,
-            f"strategy {strategy.name!r} declares it does not support {feature.description}: {reason}",
-            fix + f" (see `unison describe {strategy.name}`)",
-            feature=feature.value,
-        )
-
-
-def build_strategy(settings: TrainerSettings, pm: PluginManager, world_size: int) -> Strategy:
-    """Create the strategy and check the settings against its declaration for ``world_size`` ranks.
-
-    Everything here runs before any process group exists; launchers call it
-    too so that bad input fails before workers start.
-    """
-    strategy = pm.strategies.create(settings.strategy, settings.strategy_options)
-    strategy.plugins = pm  # the hooks it asks about the model (a tensor-parallel plan) see this run's plugins
-    check_contract(strategy)
-    ownership = strategy.ownership
-    support = ownership.precision_support(settings.precision)
-    if not support.supported:
-        raise DeclaredRefusal(
-            "precision",
-            f"strategy {settings.strategy!r} does not support precision {settings.precision!r}: {support.detail}",
-            f"pick a precision the strategy supports (see `unison describe {settings.strategy}`)",
-            feature=f"precision:{settings.precision}",
-        )
-    if support.applied_by_trainer:
-        spec = pm.precisions.get(settings.precision)
-        if spec.unavailable:
-            raise ConfigurationError(
-                "precision", f"{spec.name!r} is unavailable here: {spec.unavailable}", "pick another precision"
-            )
-    refused_world = ownership.world_sizes.refusal(world_size)
-    if refused_world is not None:
-        raise DeclaredRefusal(
-            "world size",
-            f"strategy {settings.strategy!r} cannot run here: {refused_world}",
-            "launch a world size the strategy declares (see `unison describe " + settings.strategy + "`)",
-            feature="world_size",
-        )
-    if settings.accumulate_grad_batches > 1:
-        refuse(strategy, Feature.GRADIENT_ACCUMULATION, "accumulate_grad_batches", "set accumulate_grad_batches=1")
-    if settings.grad_clip_norm is not None:
-        refuse(strategy, Feature.GRADIENT_CLIPPING, "grad_clip_norm", "set grad_clip_norm=None")
-    if settings.compile is not False:
-        refuse(strategy, Feature.COMPILE, "compile", "set compile=False")
-        compile_options(settings.compile)  # torch.compile's keyword arguments only
-    if settings.activation_checkpointing is not None:
-        refuse(
-            strategy, Feature.ACTIVATION_CHECKPOINTING, "activation_checkpointing", "set activation_checkpointing=None"
-        )
-    resolve_accelerator(settings.accelerator)
-    strategy.validate(settings, world_size)
-    check_divisible(
-        settings.global_batch_size, settings.accumulate_grad_batches, strategy.data_parallel_size(world_size)
-    )
-    return strategy
 
 
 def check_callable(value: Any, option: str, shape: str, example: str, arity: int) -> None:
@@ -241,16 +178,30 @@ def check_scheduler(scheduler: Any) -> None:
 # --------------------------------------------------------------------------- #
 
 
-@dataclass
-class FitInputs:
-    """What :func:`prepare_fit` checked and built: all a fit needs once the process group is up."""
+@dataclass(frozen=True)
+class FitPlan:
+    """One fit as :func:`prepare_fit` checked it, before any process group: all a fit needs once the world is up.
 
+    Each value is parsed once, here; the parts of the fit take what they need from it.
+    """
+
+    settings: TrainerSettings
+    #: The strategy, its precision support and the step's sizes (:func:`declare`).
+    declared: Declared
+    #: ``ckpt_path`` parsed.
+    resume: ResumeRequest
+    #: The run directory and checkpointer (:func:`unison.training.runs.prepare`).
+    place: runs.RunPlace
     model: torch.nn.Module
     data: TrainData
     validation: ValidationSource | None
-    resume: ResumeRequest
+    loss_fn: LossFn | None
     #: The fit's ``training_step``: the user's, the Hugging Face path's when neither form was given, or ``None``.
-    training_step: TrainingStep | None = None
+    training_step: TrainingStep | None
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.declared.strategy
 
 
 def check_form(strategy: Strategy, loss_fn: LossFn | None, training_step: TrainingStep | None) -> None:
@@ -282,17 +233,17 @@ def check_form(strategy: Strategy, loss_fn: LossFn | None, training_step: Traini
         refuse(strategy, Feature.LOSS_FN, "loss_fn", "use training_step=lambda model, batch: ...")
 
 
-def check_resume(trainer: Trainer, resume: ResumeRequest) -> None:
+def check_resume(settings: TrainerSettings, strategy: Strategy, resume: ResumeRequest) -> None:
     """``auto``/``last`` need a directory to look in; any resume needs a strategy that declares it."""
     if resume.fresh:
         return
-    if resume.newest and trainer.checkpointer is None and trainer.settings.root_dir is None:
+    if resume.newest and settings.checkpoint_dir is None and settings.root_dir is None:
         raise ConfigurationError(
             "ckpt_path",
             f"{str(resume)!r} needs a root_dir or checkpoint_dir",
             "set root_dir (or checkpoint_dir), or pass a path",
         )
-    refuse(trainer.strategy, Feature.RESUME, "ckpt_path", "start without ckpt_path")
+    refuse(strategy, Feature.RESUME, "ckpt_path", "start without ckpt_path")
 
 
 def check_model(
@@ -335,21 +286,24 @@ def check_first_batch(batch: Any, loss_fn_form: bool) -> None:
         )
 
 
-def prepare_checkpoints(trainer: Trainer, resume: ResumeRequest, world_size: int) -> None:
+def prepare_checkpoints(
+    settings: TrainerSettings, resume: ResumeRequest, world_size: int, checkpointer: Checkpointer | None
+) -> runs.RunPlace:
     """The run directory and its checkpointer (:func:`unison.training.runs.prepare`); the checkpoint
     directory writable and not another run's; the resume point within ``max_steps``."""
-    s = trainer.settings
-    runs.prepare(trainer, resume, world_size)
-    if trainer.checkpointer is not None:
+    place = runs.prepare(settings, resume, world_size, checkpointer)
+    if place.checkpointer is not None:
         # writable; the resume point exists, within max_steps
-        trainer.checkpointer.admission.preflight(resume, s.max_steps)
-        trainer.checkpointer.admission.claim(resume)  # never write into another run's checkpoints
+        place.checkpointer.admission.preflight(resume, settings.max_steps)
+        place.checkpointer.admission.claim(resume)  # never write into another run's checkpoints
     elif resume.path is not None:
-        check_resume_step(resume_point(resume.path), s.max_steps)
+        check_resume_step(resume_point(resume.path), settings.max_steps)
+    return place
 
 
 def prepare_fit(
-    trainer: Trainer,
+    settings: TrainerSettings,
+    declared: Declared,
     model: Any,
     train_dataset: Any,
     *,
@@ -363,23 +317,24 @@ def prepare_fit(
     count_tokens: Any,
     rank: int,
     world_size: int,
-) -> FitInputs:
+    checkpointer: Checkpointer | None = None,
+) -> FitPlan:
     """Every check of :meth:`Trainer.fit <unison.training.trainer.Trainer.fit>` that needs no process group.
 
-    Sets the trainer's ``run_dir``, ``checkpointer`` and ``resumed_from``
-    (:func:`unison.training.runs.prepare`); creates nothing else outside
-    this process but the run directory.
+    Returns the fit's :class:`FitPlan`; creates nothing outside this process
+    but the run directory (:func:`unison.training.runs.prepare`).
+    ``checkpointer`` is the explicit ``checkpoint_dir``'s, if any.
     """
-    s, strategy = trainer.settings, trainer.strategy
+    s, strategy = settings, declared.strategy
     check_form(strategy, loss_fn, training_step)
     resume = ResumeRequest.parse(ckpt_path)
-    check_resume(trainer, resume)
+    check_resume(s, strategy, resume)
     built = check_model(model, strategy, s, optimizer, lr_scheduler)
     data = TrainData(
         train_dataset,
         collate_fn,
         s,
-        data_parallel_size=strategy.data_parallel_size(world_size),
+        sizes=declared.sizes,
         data_parallel_rank=strategy.data_parallel_rank(rank, world_size),
         token_counter=count_tokens,
     )
@@ -388,9 +343,9 @@ def prepare_fit(
     if loss_fn is None and training_step is None:
         training_step = huggingface_form(strategy, built, first)
     validation = resolve_validation(val_dataset, collate_fn, s) if val_dataset is not None else None
-    prepare_checkpoints(trainer, resume, world_size)
+    place = prepare_checkpoints(s, resume, world_size, checkpointer)
     check_stall_timeout(s.stall_timeout_s, collective_timeout_s())
-    return FitInputs(built, data, validation, resume, training_step)
+    return FitPlan(s, declared, resume, place, built, data, validation, loss_fn, training_step)
 
 
 def huggingface_form(strategy: Strategy, model: torch.nn.Module, first_batch: Any) -> TrainingStep:

@@ -43,9 +43,12 @@ metrics files at all.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +71,7 @@ __all__ = [
     "CHECKPOINTS",
     "DEFAULT_ROOT_ENV",
     "RUN_DIR_ENV",
+    "RunPlace",
     "agree",
     "check_root",
     "choose_for_workers",
@@ -191,43 +195,56 @@ def resume_step(checkpointer: Checkpointer, request: ResumeRequest) -> tuple[int
     return resume_point(request.path), str(request)
 
 
-def prepare(trainer: Any, request: ResumeRequest, world_size: int) -> None:
+@dataclass(frozen=True)
+class RunPlace:
+    """Where one fit writes: its run directory, the checkpointer that writes into it, and the checkpoint
+    it resumes from as read before any process group (:func:`prepare`; ranks agree on it in :func:`agree`)."""
+
+    #: ``root_dir/version_N``; ``None`` without a ``root_dir``, or until :func:`agree` names it.
+    run_dir: Path | None = None
+    checkpointer: Checkpointer | None = None
+    #: ``{"step": N, "checkpoint": PATH}`` of the checkpoint a resume will load (from its manifest), or ``None``.
+    resumed_from: Mapping[str, Any] | None = None
+
+
+def prepare(settings: Any, request: ResumeRequest, world_size: int, checkpointer: Checkpointer | None) -> RunPlace:
     """Before the process group: choose (or find) the run directory and the checkpointer that writes into it.
 
-    Sets ``trainer.run_dir`` (made now unless ranks of a bare ``torchrun``
-    must agree on it: then :func:`agree` makes it), ``trainer.checkpointer``
-    (``version_N/checkpoints`` without an explicit ``checkpoint_dir``) and
-    ``trainer.resumed_from``.
+    ``checkpointer`` is the explicit ``checkpoint_dir``'s, if any. The run
+    directory is made now unless ranks of a bare ``torchrun`` must agree on it
+    (then :func:`agree` makes it); the checkpointer writes into
+    ``version_N/checkpoints`` without an explicit ``checkpoint_dir``.
     """
-    s = trainer.settings
+    s, run_dir = settings, None
     if s.root_dir is not None:
         inside = s.checkpoint_dir is None
-        path = plan_run(s.root_dir, request, inside)
-        if path is None and world_size == 1:
-            path = new_version(check_root(s.root_dir).absolute())
-        trainer.run_dir = path
+        run_dir = plan_run(s.root_dir, request, inside)
+        if run_dir is None and world_size == 1:
+            run_dir = new_version(check_root(s.root_dir).absolute())
         if inside:
             # Until agree() names the version, the root stands in: writable, and it holds no step directories.
-            where = path / CHECKPOINTS if path is not None else check_root(s.root_dir).absolute()
-            if path is not None:
-                refuse_links_in(path)
-            trainer.checkpointer = Checkpointer(where, s.keep_last_n_checkpoints)
-    if trainer.checkpointer is not None:
-        found = resume_step(trainer.checkpointer, request)
-        trainer.resumed_from = {"step": found[0], "checkpoint": found[1]} if found else None
+            where = run_dir / CHECKPOINTS if run_dir is not None else check_root(s.root_dir).absolute()
+            if run_dir is not None:
+                refuse_links_in(run_dir)
+            checkpointer = Checkpointer(where, s.keep_last_n_checkpoints)
+    found = resume_step(checkpointer, request) if checkpointer is not None else None
+    return RunPlace(run_dir, checkpointer, {"step": found[0], "checkpoint": found[1]} if found else None)
 
 
-def agree(trainer: Any) -> None:
-    """After the process group: ranks of a bare ``torchrun`` take global rank 0's fresh version (collective)."""
-    s, env = trainer.settings, trainer.env
-    if s.root_dir is None or trainer.run_dir is not None:
-        return
+def agree(settings: Any, place: RunPlace, rank: int) -> RunPlace:
+    """After the process group: ranks of a bare ``torchrun`` take global rank 0's fresh version (collective
+    when no version was chosen before it; ``place`` itself otherwise)."""
+    s = settings
+    if s.root_dir is None or place.run_dir is not None:
+        return place
     from unison.checkpointing.manifest import broadcast
 
-    chosen = str(new_version(check_root(s.root_dir).absolute())) if env.rank == 0 else None
-    trainer.run_dir = Path(broadcast(chosen))
+    chosen = str(new_version(check_root(s.root_dir).absolute())) if rank == 0 else None
+    run_dir = Path(broadcast(chosen))
+    checkpointer = place.checkpointer
     if s.checkpoint_dir is None:
-        trainer.checkpointer = Checkpointer(trainer.run_dir / CHECKPOINTS, s.keep_last_n_checkpoints)
+        checkpointer = Checkpointer(run_dir / CHECKPOINTS, s.keep_last_n_checkpoints)
+    return dataclasses.replace(place, run_dir=run_dir, checkpointer=checkpointer)
 
 
 def refuse_links_in(version: Path) -> None:

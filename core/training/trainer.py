@@ -52,16 +52,16 @@ from unison.training.checkpointing import CheckpointManager, DataPosition
 from unison.training.loop import TrainLoop
 from unison.training.metrics import MetricsLog
 from unison.training.preflight import (
-    FitInputs,
     OptimizerArg,
     SchedulerArg,
     TrainingStep,
-    build_strategy,
     checked_optimizer,
+    declare,
     prepare_fit,
 )
+from unison.training.record import FitRecord
 from unison.training.validation import Validator
-from unison.training.world import World, broadcast_module_state, build_precision, join_world
+from unison.training.world import broadcast_module_state, build_precision, join_world
 
 __all__ = ["Trainer"]
 
@@ -216,7 +216,9 @@ class Trainer:
         if start_here:
             assert self.settings.nproc is not None  # check_nproc: nproc > 1
             world_size = self.settings.nproc
-        self.strategy: Strategy = build_strategy(self.settings, self.pm, world_size)
+        #: The strategy, its precision support and the step's sizes, checked for this world (made once).
+        self._declared = declare(self.settings, self.pm, world_size)
+        self.strategy: Strategy = self._declared.strategy
         if start_here:
             start_workers(world_size)  # checked for that world; exits with the job's code
         self.ownership = self.strategy.ownership
@@ -227,35 +229,15 @@ class Trainer:
         #: (after step k+1 for a flag set during step k, unless step k
         #: validates or saves a checkpoint; :mod:`unison.training.stopping`).
         self.should_stop = False
-        self.env: DistEnv | None = None
-        self.precision: Precision | None = None
-        self.lr_scheduler: Any = None
-        self.data: TrainData | None = None
         s = self.settings
-        self.checkpointer = Checkpointer(s.checkpoint_dir, s.keep_last_n_checkpoints) if s.checkpoint_dir else None
-        #: This fit's ``root_dir/version_N`` (``None`` without a ``root_dir``); see :mod:`unison.training.runs`.
-        self.run_dir: Path | None = None
-        #: ``{"step": N, "checkpoint": PATH}`` of the checkpoint this fit resumes from, or ``None``.
-        self.resumed_from: dict[str, Any] | None = None
-        self._world: World | None = None  # the process group fit joined or made (set for the duration of fit)
-        self._control_group: Any = None
-        self._guard: RunGuard | None = None  # set for the duration of fit
-        #: Where this rank is, (step, phase), for the stall watchdog; inert until fit starts one.
-        self._watchdog = Watchdog(None, 0, 1)
-        #: ``unison: setting up ...`` lines for fit's slow phases (set per fit: rank 0 only, quiet with progress off).
-        self._say = SetupReport("off", 0)
-        #: ``False`` until ``fit`` has finished its checks and starts the process
-        #: group and the strategy's setup (refusals only ever happen before).
-        self.setup_started = False
-        self._final_state: dict[str, torch.Tensor] | None = None
+        #: The explicit ``checkpoint_dir``'s checkpointer (a fit with a ``root_dir`` and none makes its own).
+        self._given_checkpointer = (
+            Checkpointer(s.checkpoint_dir, s.keep_last_n_checkpoints) if s.checkpoint_dir else None
+        )
+        #: The latest fit's values and parts (:mod:`unison.training.record`); ``None`` until its checks pass.
+        self._fit: FitRecord | None = None
         #: Every metric's way to the loggers (trainer.log(), the step's, validation's).
         self._metrics = MetricsLog(self)
-        #: Set up by fit: when and how to validate, and to save checkpoints; the loop that asks them.
-        self._validator: Validator | None = None
-        self._checkpoints: CheckpointManager | None = None
-        self._loop: TrainLoop | None = None
-        self.loss_fn: LossFn | None = None
-        self.training_step: TrainingStep | None = None
         #: Metrics of the most recent validation loop (``{"val/loss": mean loss over the whole
         #: validation set, weighted by samples, all ranks reduced}``, the same on every rank), or
         #: ``None`` before the first validation. ``fit`` validates at the end when given a val_dataset.
@@ -263,6 +245,8 @@ class Trainer:
         self.pm.unison_on_trainer_init(trainer=self)
 
     # -- properties -------------------------------------------------------- #
+    # What the latest fit decided, read from its record (:mod:`unison.training.record`); none has a
+    # setter, so no part of a fit can assign into the trainer.
     @property
     def global_step(self) -> int:
         return self.progress.global_step
@@ -271,7 +255,67 @@ class Trainer:
     def control_group(self) -> Any:
         """The CPU (gloo) process group for small host-side agreements during ``fit`` (``None``: the
         default group, which is gloo already, or no world); every rank must call a collective on it alike."""
-        return self._control_group
+        f = self._fit
+        return f.world.control_group if f is not None and f.world is not None and f.active else None
+
+    @property
+    def setup_started(self) -> bool:
+        """``False`` until ``fit`` has finished its checks and starts the process group and the strategy's
+        setup (refusals only ever happen before)."""
+        return self._fit is not None
+
+    @property
+    def env(self) -> DistEnv | None:
+        """This rank's place in the fit's world (``None`` before a fit joins one; kept after it)."""
+        f = self._fit
+        return f.world.env if f is not None and f.world is not None else None
+
+    @property
+    def precision(self) -> Precision | None:
+        """The fit's precision plugin (a :class:`~unison.contract.precision.DelegatedPrecision` when the
+        strategy applies the precision), ``None`` before the strategy's setup."""
+        return self._fit.precision if self._fit is not None else None
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The fit's scheduler, built on the strategy's optimizer (``None`` without ``lr_scheduler``)."""
+        return self._fit.lr_scheduler if self._fit is not None else None
+
+    @property
+    def data(self) -> TrainData | None:
+        """The fit's training data (sampling, loading, position)."""
+        return self._fit.plan.data if self._fit is not None else None
+
+    @property
+    def loss_fn(self) -> LossFn | None:
+        """The fit's ``loss_fn`` (``None`` in the ``training_step`` form)."""
+        return self._fit.plan.loss_fn if self._fit is not None else None
+
+    @property
+    def training_step(self) -> TrainingStep | None:
+        """The fit's ``training_step``: the user's, the Hugging Face path's when neither form was given, or ``None``."""
+        return self._fit.plan.training_step if self._fit is not None else None
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The fit's ``root_dir/version_N`` (``None`` without a ``root_dir``); see :mod:`unison.training.runs`."""
+        return self._fit.place.run_dir if self._fit is not None else None
+
+    @property
+    def checkpointer(self) -> Checkpointer | None:
+        """The checkpointer the fit writes with: ``checkpoint_dir``'s, or its run directory's ``checkpoints/``."""
+        return self._fit.place.checkpointer if self._fit is not None else self._given_checkpointer
+
+    @property
+    def resumed_from(self) -> dict[str, Any] | None:
+        """``{"step": N, "checkpoint": PATH}`` of the checkpoint the fit resumes from (its manifest's step
+        until it is loaded, then the loaded one's), or ``None``."""
+        f = self._fit
+        if f is None:
+            return None
+        if f.checkpoints is not None and f.checkpoints.resumed_from is not None:
+            return f.checkpoints.resumed_from
+        return dict(f.place.resumed_from) if f.place.resumed_from is not None else None
 
     @property
     def is_global_zero(self) -> bool:
@@ -369,10 +413,12 @@ class Trainer:
         """
         s = self.settings
         rank, world_size, _ = world_from_env()
-        self._say = SetupReport(s.progress, rank)
-        self._say(f"training with strategy {s.strategy!r}, world size {world_size}: checking model, data and options")
-        inputs = prepare_fit(
-            self,
+        say = SetupReport(s.progress, rank)
+        say(f"training with strategy {s.strategy!r}, world size {world_size}: checking model, data and options")
+        self._fit = None  # a failed check leaves no earlier fit's record behind (setup_started is False)
+        plan = prepare_fit(
+            s,
+            self._declared,
             model,
             train_dataset,
             loss_fn=loss_fn,
@@ -385,30 +431,28 @@ class Trainer:
             count_tokens=count_tokens,
             rank=rank,
             world_size=world_size,
+            checkpointer=self._given_checkpointer,
         )
-        self.loss_fn, self.training_step, self.data = loss_fn, inputs.training_step, inputs.data
-        self._final_state = None
         self.should_stop = False
         # From here on nothing is refused as bad input: failures are errors.
-        self.setup_started = True
-        self._guard = RunGuard()
+        guard = RunGuard()
+        self._fit = fit = FitRecord(plan, say, guard, Watchdog(None, 0, 1), plan.place)
         try:
-            with self._guard:  # SIGTERM/SIGUSR1 -> stop at a step boundary; first error to torchrun
-                self._world = join_world(self.strategy, s, self._say)
-                self.env, self._control_group = self._world.env, self._world.control_group
-                self._watchdog = self._guard.watch(
-                    start_watchdog(s.stall_timeout_s, self.env.rank, self.env.world_size)
-                )
-                runs.agree(self)  # ranks of a bare torchrun take rank 0's fresh version
-                if self.checkpointer is not None:
+            with guard:  # SIGTERM/SIGUSR1 -> stop at a step boundary; first error to torchrun
+                fit.world = world = join_world(self.strategy, s, say)
+                fit.active = True
+                fit.watchdog = guard.watch(start_watchdog(s.stall_timeout_s, world.env.rank, world.env.world_size))
+                fit.place = runs.agree(s, plan.place, world.env.rank)  # a bare torchrun's ranks take rank 0's version
+                if fit.place.checkpointer is not None:
                     # One writer per checkpoint directory: rank 0 takes the lease, every rank hears the
                     # outcome before any setup or step (unison.checkpointing.lease says why here and not earlier).
-                    self.checkpointer.admission.acquire(inputs.resume)
-                self._fit(inputs, optimizer, lr_scheduler)
+                    fit.place.checkpointer.admission.acquire(plan.resume)
+                self._run_fit(fit, optimizer, lr_scheduler)
         except BaseException as exc:
-            if isinstance(exc, KeyboardInterrupt) and self.checkpointer is not None and self.is_global_zero:
+            checkpointer = fit.place.checkpointer
+            if isinstance(exc, KeyboardInterrupt) and checkpointer is not None and self.is_global_zero:
                 # Ctrl-C stops at once (SIGTERM stops at a step boundary and saves): name what is committed.
-                latest = self.checkpointer.latest()
+                latest = checkpointer.latest()
                 messages.say(
                     f"unison: interrupted after step {self.global_step}; last committed checkpoint: {latest}",
                     level="warning",
@@ -416,87 +460,86 @@ class Trainer:
             self.pm.unison_on_exception(trainer=self, exception=exc)
             raise
         finally:
-            if self.checkpointer is not None:
-                self.checkpointer.admission.release()
-            inputs.data.close()
+            if fit.place.checkpointer is not None:
+                fit.place.checkpointer.admission.release()
+            plan.data.close()
             self.strategy.teardown()
-            if self._world is not None and self._world.owns_process_group:
+            if fit.world is not None and fit.world.owns_process_group:
                 torch.distributed.destroy_process_group()
-            self._world = None
-            self._control_group = None
+            fit.active = False
         return self.progress
 
-    def _fit(self, inputs: FitInputs, optimizer: OptimizerArg, lr_scheduler: SchedulerArg | None) -> None:
-        s, env, hook, strategy = self.settings, self.env, self.pm, self.strategy
-        assert env is not None and self.data is not None
-        model = inputs.model
+    def _run_fit(self, fit: FitRecord, optimizer: OptimizerArg, lr_scheduler: SchedulerArg | None) -> None:
+        plan, s, hook, strategy = fit.plan, self.settings, self.pm, self.strategy
+        assert fit.world is not None
+        env, model, data = fit.world.env, plan.model, plan.data
         seed_everything(s.seed)
         if self.ownership.replica_init is ReplicaInit.TRAINER and env.distributed and env.world_size > 1:
             # Whatever the user passed, replicas never start apart.
             model = model.to(env.device)
             broadcast_module_state(model)
-        self.precision = precision = build_precision(self.ownership, s, self.pm, strategy, env.device)
+        fit.precision = precision = build_precision(plan.declared.precision, s, self.pm, strategy, env.device)
         module = precision.convert_module(model)
-        self._say(f"the model under strategy {s.strategy!r} ({type(model).__name__}, device {env.device})")
+        fit.say(f"the model under strategy {s.strategy!r} ({type(model).__name__}, device {env.device})")
         # Bound before the call, not only by the template: a strategy that overrides setup as the 2.0
         # migration says (adding env=None) never binds them, and its hooks (to_device) need them.
         strategy.env, strategy.precision, strategy.settings = env, precision, s
         strategy.setup(
             module, lambda params: checked_optimizer(optimizer, params), env=env, precision=precision, settings=s
         )
-        self.lr_scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler else None
-        self.data.to_device = strategy.to_device
+        fit.lr_scheduler = lr_scheduler(strategy.optimizer) if lr_scheduler else None
+        data.to_device = strategy.to_device
         if env.world_size > 1:  # the last collective each rank entered, for a stall report (assignments only)
-            watchdog = self._watchdog  # (not self: the recorder outlives the fit, and must not keep the trainer)
+            watchdog = fit.watchdog  # (not the record: the recorder outlives the fit, and must not keep it)
             collectives.install(lambda: watchdog.where)
         self.progress = Progress()
         # What a checkpoint holds besides the strategy's files and the RNG, by its name in trainer.pt.
-        self._checkpoints = CheckpointManager(
+        fit.checkpoints = checkpoints = CheckpointManager(
             self,
-            self.checkpointer,
+            fit.place.checkpointer,
             {
                 "progress": self.progress,
-                "scheduler": self.lr_scheduler,
+                "scheduler": fit.lr_scheduler,
                 "precision": precision,
-                "data": DataPosition(self.data, self.progress),
+                "data": DataPosition(data, self.progress),
             },
         )
-        self._validator = Validator(self, inputs.validation, self._metrics)
-        self._loop = TrainLoop(
+        fit.validator = validator = Validator(self, plan.validation, self._metrics)
+        fit.loop = TrainLoop(
             self,
-            self._validator,
-            self._checkpoints,
+            validator,
+            checkpoints,
             self._metrics,
-            guard=self._guard,
-            watchdog=self._watchdog,
-            control_group=self._control_group,
+            guard=fit.guard,
+            watchdog=fit.watchdog,
+            control_group=fit.world.control_group,
         )
 
         hook.unison_on_fit_start(trainer=self)
-        if not inputs.resume.fresh:
-            self._watchdog.mark(0, "load_checkpoint")
-            self._say(f"the resume: finding and loading the checkpoint ({inputs.resume})")
-            self._checkpoints.load(inputs.resume)
+        if not plan.resume.fresh:
+            fit.watchdog.mark(0, "load_checkpoint")
+            fit.say(f"the resume: finding and loading the checkpoint ({plan.resume})")
+            checkpoints.load(plan.resume)
 
         self._metrics.fitting = True
         try:
-            self._loop.run()
+            fit.loop.run()
         finally:
             self._metrics.fitting = False
         step = self.progress.global_step
-        self._watchdog.mark(step, "fit_end")
+        fit.watchdog.mark(step, "fit_end")
         # The end: validation and checkpoint once, unless the last step just had them.
-        if self._validator.should_validate_at_end(step):
+        if validator.should_validate_at_end(step):
             self.validate()
-        if self._checkpoints.should_save_at_end(step):
+        if checkpoints.should_save_at_end(step):
             self.save_checkpoint()
         self._metrics.flush()
-        if self.checkpointer is not None:
-            latest = self.checkpointer.latest()
+        if fit.place.checkpointer is not None:
+            latest = fit.place.checkpointer.latest()
             self.progress.checkpoint = str(latest) if latest is not None else None
-        self.progress.run_dir = str(self.run_dir) if self.run_dir is not None else None
+        self.progress.run_dir = str(fit.place.run_dir) if fit.place.run_dir is not None else None
         # Kept so that full_state_dict() works after fit tore the strategy down.
-        self._final_state = self.strategy.full_state_dict()
+        fit.final_state = self.strategy.full_state_dict()
         hook.unison_on_fit_end(trainer=self)
 
     # -- validation ------------------------------------------------------------ #
@@ -506,8 +549,9 @@ class Trainer:
         Uses the fit's ``val_dataset`` unless ``dataset`` is given; called on every rank
         (see :class:`unison.training.validation.Validator`).
         """
-        assert self._validator is not None, "validate() needs the model fit() set up"
-        return self._validator.validate(dataset)
+        validator = self._fit.validator if self._fit is not None else None
+        assert validator is not None, "validate() needs the model fit() set up"
+        return validator.validate(dataset)
 
     # -- logging ------------------------------------------------------------------ #
     def log(self, metrics: Mapping[str, Any]) -> None:
@@ -532,9 +576,10 @@ class Trainer:
         every rank.
         """
         if self.strategy.model is None:
-            if self._final_state is None:
+            final = self._fit.final_state if self._fit is not None else None
+            if final is None:
                 raise RuntimeError("full_state_dict() needs a model: call fit() first")
-            return self._final_state
+            return final
         return self.strategy.full_state_dict()
 
     def save_checkpoint(self) -> Path:
@@ -544,21 +589,23 @@ class Trainer:
         check is still unread (``nonfinite="raise"`` reads it one step late) is
         read first: a non-finite one raises :class:`NonFiniteError` and nothing is written.
         """
-        assert self._checkpoints is not None and self.checkpointer is not None
-        if self._loop is not None:
-            self._loop.nonfinite.resolve()
+        fit = self._fit
+        assert fit is not None and fit.checkpoints is not None and fit.place.checkpointer is not None
+        if fit.loop is not None:
+            fit.loop.nonfinite.resolve()
         started = time.perf_counter()
-        path = self._checkpoints.save()
+        path = fit.checkpoints.save()
         # The save's wall time on this rank (written, hashed, committed) and the checkpoint's bytes; during a
         # fit they go with the next logging step's metrics (or the fit's last), outside one at once.
         saved = {"checkpoint/save_time_s": time.perf_counter() - started}
-        if self.checkpointer.last_bytes is not None:
-            saved["checkpoint/size_bytes"] = float(self.checkpointer.last_bytes)
-        if self._world is not None:
+        checkpointer = fit.place.checkpointer
+        if checkpointer.last_bytes is not None:
+            saved["checkpoint/size_bytes"] = float(checkpointer.last_bytes)
+        if fit.active:
             self._metrics.keep(saved)
         else:
             self.log(saved)
-        retries = getattr(self.checkpointer.storage, "retries", None)
+        retries = getattr(checkpointer.storage, "retries", None)
         if retries is not None:  # object storage: calls retried after transient failures, so far in this run
             self.log({"checkpoint/storage_retries": float(retries)})
         return path

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from unison.contract.env import DistEnv, device_for, world_from_env
-from unison.contract.ownership import Ownership
+from unison.contract.ownership import PrecisionSupport
 from unison.contract.precision import DelegatedPrecision, Precision
 from unison.contract.settings import TrainerSettings
 from unison.contract.strategy import Strategy
@@ -31,7 +31,7 @@ from unison.plugin.manager import PluginManager
 __all__ = ["World", "broadcast_module_state", "build_precision", "join_world"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class World:
     """This rank's place in the fit's world, and what ``fit`` must undo when it ends."""
 
@@ -105,13 +105,16 @@ def _destroy_kept() -> None:
 
 
 def build_precision(
-    ownership: Ownership, settings: TrainerSettings, pm: PluginManager, strategy: Strategy, device: torch.device
+    support: PrecisionSupport, settings: TrainerSettings, pm: PluginManager, strategy: Strategy, device: torch.device
 ) -> Precision:
-    """The precision plugin when the trainer applies the precision; a :class:`DelegatedPrecision` otherwise."""
-    support = ownership.precision_support(settings.precision)
+    """The precision plugin when the trainer applies the precision; a :class:`DelegatedPrecision` otherwise.
+
+    ``support`` is the strategy's declaration for ``settings.precision``, as preflight computed it
+    (:attr:`unison.training.preflight.Declared.precision`; availability checked there too).
+    """
     precision: Precision
     if support.applied_by_trainer:
-        spec = pm.precisions.get(settings.precision)  # availability checked in build_strategy
+        spec = pm.precisions.get(settings.precision)
         precision = spec.factory(device=device, grad_scaler=lambda: strategy.make_grad_scaler(device))
     else:
         precision = DelegatedPrecision(settings.precision)
