@@ -40,8 +40,8 @@ from unison.conformance.feature_probes import FeatureProbe
 from unison.conformance.models import OPTIMIZERS, SCHEDULERS, build_model, loss_fn, perturb, training_step
 from unison.conformance.profiling import (
     analyse_collectives,
+    engine_boundaries,
     flight_entries,
-    instrument,
     process_groups,
     profile_collectives,
     records,
@@ -126,8 +126,6 @@ def execute_run(
         # loggers=False: the suite's runs leave no run directory behind (but a run with the defaults on).
         loggers: dict[str, Any] = {} if run.defaults else {"loggers": False}
         trainer = unison.Trainer(strategy=strategy, plugin_manager=pm, callbacks=[recorder], **loggers, **settings)
-        boundaries: list[bool] = []
-        instrument(trainer.strategy, boundaries)
         optimizers: list[torch.optim.Optimizer] = recorder.optimizers
         schedulers: list[Any] = []
 
@@ -167,6 +165,7 @@ def execute_run(
                 ckpt_path=resume_path,
             )
         recorder.close_mark()
+        recs = records(prof_box[0], flight_entries() if records_groups(scenario) else None) if prof_box else None
         start = recorder.start_counts or {
             "optimizer_steps": progress.optimizer_steps,
             "scheduler_steps": progress.scheduler_steps,
@@ -185,7 +184,8 @@ def execute_run(
                 "optimizers_built": len(optimizers),
                 "scheduler_last_epoch": schedulers[-1].last_epoch if schedulers else None,
             },
-            boundaries=boundaries,
+            # The engine's is_accumulation_boundary() answers, from the loop's marks (profiled runs only).
+            boundaries=engine_boundaries(recs) if recs is not None else None,
             accumulation_owner=trainer.ownership.grad_accumulation.owner.value,
             accumulation_sync=trainer.ownership.grad_accumulation.sync.value,
             precision_owner=trainer.ownership.precision_support(scenario.precision).owner.value,
@@ -198,11 +198,7 @@ def execute_run(
             data_parallel_size=trainer.strategy.data_parallel_size(torch.distributed.get_world_size())
             if dist_on
             else 1,
-            collectives=analyse_collectives(
-                records(prof_box[0], flight_entries() if records_groups(scenario) else None)
-            )
-            if prof_box
-            else None,
+            collectives=analyse_collectives(recs) if recs is not None else None,
             # Group name -> ranks, at the first step and at the end (a group destroyed at teardown included).
             process_groups={**recorder.process_groups, **process_groups()},
             state=trainer.full_state_dict(),

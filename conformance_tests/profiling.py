@@ -1,5 +1,8 @@
-"""The suite's record of the collectives of one fit: marks around the strategy's calls, the profiler's
-records of the ``c10d`` dispatcher operations, and their analysis into the trace's ``collectives`` entry.
+"""The suite's record of the collectives of one fit: the training loop's marks around the strategy's calls
+(:mod:`unison.training.marks`: ``no_sync``, each micro-step's ``backward``, ``clip_grad_norm``, an engine's
+boundary answers), the profiler's records of the ``c10d`` dispatcher operations, and their analysis into
+the trace's ``collectives`` entry. Nothing of the strategy is wrapped: the suite observes the same calls a
+user's profile shows.
 
 The ``collectives`` of a trace are the calls made on the real process group, counted from the ``c10d::*``
 dispatcher operations recorded by ``torch.profiler``. Why the profiler
@@ -51,17 +54,16 @@ from typing import Any
 import torch
 
 from unison.conformance.snapshots import PAYLOAD_PREFIXES, payload
+from unison.training import marks
 
 STEP_MARK = "unison.conformance::forward_backward"
 
-
-NO_SYNC_MARK = "unison.conformance::no_sync"
-
-
-MICRO_MARK = "unison.conformance::backward"
-
-
-CLIP_MARK = "unison.conformance::clip_grad_norm"
+#: The training loop's marks at the strategy's sync points (:mod:`unison.training.marks`): the suite reads
+#: them from the profile; nothing of the strategy is wrapped.
+NO_SYNC_MARK = marks.NO_SYNC
+MICRO_MARK = marks.BACKWARD
+CLIP_MARK = marks.CLIP_GRAD_NORM
+BOUNDARY_MARKS = {marks.BOUNDARY_TRUE: True, marks.BOUNDARY_FALSE: False}
 
 
 #: The namespace of DTensor's functional collectives (``torch.distributed._functional_collectives``).
@@ -126,6 +128,7 @@ class Record:
 def _wanted(name: str) -> bool:
     return (
         name in (STEP_MARK, NO_SYNC_MARK, CLIP_MARK, MICRO_MARK)
+        or name in BOUNDARY_MARKS
         or name.startswith(("c10d::", FUNCTIONAL_PREFIX))
         or (name.startswith(PAYLOAD_PREFIXES) and "reduce" in name)
     )
@@ -363,43 +366,7 @@ def profile_collectives(enabled: bool, *, shapes: bool = False) -> Iterator[list
     out.append(prof)
 
 
-def instrument(strategy: Any, boundaries: list[bool]) -> None:
-    """Observe ``no_sync``, ``backward``, ``clip_grad_norm`` and ``is_accumulation_boundary`` on this strategy
-    instance.
-
-    Instance attributes shadow the methods: the strategy's behaviour is
-    unchanged, the suite only marks the time spans and records the answers.
-    """
-    original_backward = strategy.backward
-
-    def backward(loss: Any) -> None:
-        with torch.autograd.profiler.record_function(MICRO_MARK):
-            original_backward(loss)
-
-    strategy.backward = backward
-    original_clip = strategy.clip_grad_norm
-
-    def clip_grad_norm(max_norm: Any) -> Any:
-        with torch.autograd.profiler.record_function(CLIP_MARK):
-            return original_clip(max_norm)
-
-    strategy.clip_grad_norm = clip_grad_norm
-    original_no_sync = getattr(strategy, "no_sync", None)
-    if original_no_sync is not None:
-
-        @contextlib.contextmanager
-        def no_sync() -> Iterator[Any]:
-            with torch.autograd.profiler.record_function(NO_SYNC_MARK), original_no_sync() as value:
-                yield value
-
-        strategy.no_sync = no_sync
-    original_boundary = getattr(strategy, "is_accumulation_boundary", None)
-    if original_boundary is None:
-        return
-
-    def is_accumulation_boundary() -> bool:
-        answer = bool(original_boundary())
-        boundaries.append(answer)
-        return answer
-
-    strategy.is_accumulation_boundary = is_accumulation_boundary
+def engine_boundaries(events: list[Record]) -> list[bool]:
+    """An engine's ``is_accumulation_boundary()`` answers, in order, from the loop's marks
+    (:data:`unison.training.marks.BOUNDARY_TRUE`; empty where the trainer owns accumulation)."""
+    return [BOUNDARY_MARKS[e.name] for e in sorted(events, key=lambda e: e.start) if e.name in BOUNDARY_MARKS]

@@ -30,7 +30,9 @@ Every run produces a *trace* (a plain dict, JSON-able but for ``state``):
     give back what was written.
 ``boundaries``
     for engine-owned accumulation, what ``is_accumulation_boundary()``
-    answered at every micro-step.
+    answered at every micro-step, read from the training loop's marks
+    (:mod:`unison.training.marks`) in the run's profile; ``None`` in a run
+    that is not profiled (one process).
 ``state``
     ``trainer.full_state_dict()`` after ``fit``, on every rank (so replicas
     that end apart are seen).

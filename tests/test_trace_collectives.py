@@ -119,3 +119,46 @@ def test_the_flight_recorder_names_the_group_of_each_reduction():
     assert out["calls"] == [[default, 4], [sub, 4], [default, 1], [default, 4]] and default != sub
     assert out["groups"] == {default: 1, sub: 1}
     assert out["named"][default] == [0] and out["named"][sub] == [0]
+
+
+def test_the_loop_marks_the_strategy_sync_points_in_a_profile(monkeypatch):
+    """A real fit (ddp in a private one-rank gloo world, accumulation 3) under ``torch.profiler``: the
+    loop's marks give the suite each micro-step's backward, the micro-steps inside ``no_sync()`` and the
+    clip; DDP's reducer all-reduces its gradients only after the last micro-step's backward."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import unison
+    from unison.conformance.profiling import CLIP_MARK, engine_boundaries, records
+    from unison.training import marks
+
+    from helpers import mlp, regression_data
+
+    assert not marks.profiler_enabled()
+    trainer = unison.Trainer(
+        strategy="ddp",
+        global_batch_size=12,
+        accumulate_grad_batches=3,
+        max_steps=2,
+        grad_clip_norm=1.0,
+        loggers=False,
+        throughput=False,
+        progress="off",
+        stall_timeout_s=None,
+    )
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        assert marks.profiler_enabled()
+        trainer.fit(
+            lambda: mlp(),
+            regression_data(48),
+            loss_fn=torch.nn.functional.mse_loss,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        )
+    found = records(prof)
+    names = [r.name for r in found]
+    assert names.count(MICRO_MARK) == 6 and names.count(NO_SYNC_MARK) == 4 and names.count(CLIP_MARK) == 2
+    assert engine_boundaries(found) == []  # the trainer owns accumulation: no engine answered
+    collectives = analyse_collectives(found)
+    # One gradient all-reduce per step (DDP's reducer, from C++), none inside the four no_sync() micro-steps.
+    assert collectives["no_sync_entries"] == 4 and collectives["gradient_sync_in_no_sync"] == 0, collectives
+    assert collectives["total"]["all_reduce"] == 2, collectives

@@ -245,6 +245,20 @@ def test_eager_random_ops_compiles_random_ops_onto_eager_generator_and_restores_
         assert torch_adapter.process_group_names() == {}
 
 
+def test_profiler_enabled_is_true_only_while_a_profiler_records(monkeypatch):
+    from torch.profiler import ProfilerActivity, profile
+
+    assert torch_adapter.profiler_enabled() is False
+    with profile(activities=[ProfilerActivity.CPU]):
+        assert torch_adapter.profiler_enabled() is True
+    with torch.autograd.profiler.profile():
+        assert torch_adapter.profiler_enabled() is True
+    assert torch_adapter.profiler_enabled() is False
+    monkeypatch.delattr(torch.autograd, "_profiler_enabled")
+    with pytest.warns(RuntimeWarning, match="_profiler_enabled"):
+        assert torch_adapter.profiler_enabled() is True  # marks are entered whether or not one records
+
+
 def test_a_missing_private_name_warns_and_falls_back(monkeypatch):
     tensors = [torch.randn(2, 3), torch.randn(4)]
     monkeypatch.delattr(torch._utils, "_flatten_dense_tensors")

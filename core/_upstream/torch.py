@@ -22,6 +22,7 @@ against the installed torch.
   :func:`flop_counter`; ``torch.utils._python_dispatch._disable_current_modes``:
   :func:`outside_dispatch_modes`;
 * ``torch._dynamo.utils.counters``: :func:`compiled_frames`;
+* ``torch.autograd._profiler_enabled``: :func:`profiler_enabled`;
 * ``torch.amp.GradScaler`` internals: ``_unscale_grads_`` (the one place where the per-device overflow flags
   exist before ``step()`` reads them), ``_lazy_init_scale_growth_tracker``, ``_enabled``, ``_scale``,
   ``_device``: :class:`FlagReducingGradScaler` exposes them as two public methods, so strategies override
@@ -147,6 +148,22 @@ def eager_random_ops() -> Any:
         _missing("torch._inductor.config.fallback_random", "compiled random ops keep inductor's generator")
         return contextlib.nullcontext()
     return inductor_config.patch(fallback_random=True)
+
+
+def profiler_enabled() -> bool:
+    """Whether a profiler records on this thread (torch's autograd profiler or Kineto's ``torch.profiler``).
+
+    The training loop marks the strategy's sync points only while one does: a ``record_function`` entered
+    unconditionally costs about 10 us, its enter and exit being dispatcher calls; this check about 0.7 us.
+    The flag the profilers set has no public getter.
+    """
+    _check()
+    # PRIVATE torch.autograd._profiler_enabled: the C++ flag the profilers set on this thread.
+    enabled = getattr(torch.autograd, "_profiler_enabled", None)
+    if enabled is None:
+        _missing("torch.autograd._profiler_enabled", "the loop's marks are entered whether or not a profiler records")
+        return True
+    return bool(enabled())
 
 
 def torchrun_worker_failures(pcontext: Any) -> dict[int, Any]:
@@ -422,6 +439,7 @@ __all__ = [
     "hidden_loader_worker",
     "nccl_flight_recorder_dump",
     "outside_dispatch_modes",
+    "profiler_enabled",
     "scale_tensors",
     "set_default_group_timeout",
     "shutdown_loader_workers",

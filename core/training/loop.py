@@ -12,7 +12,9 @@ validate and save, and every rank agrees whether to stop
 waited for after the next, so in a world a stop takes effect one step later,
 or at once on a step that validates or saves).
 Hooks fire with the trainer, in the order :mod:`unison.plugin.hookspecs`
-documents.
+documents. Inside a profile, the strategy's sync points (``no_sync``, each
+micro-step's ``backward``, ``clip_grad_norm``, an engine's boundary answers)
+are marked with the ranges of :mod:`unison.training.marks`.
 
 A step that logs nothing reads nothing from the device in fp32 and bf16 with
 ``nonfinite="raise"`` or ``"continue"``: the ``raise`` check is read one step
@@ -32,6 +34,7 @@ from unison.contract.outputs import NonFiniteError, StepOutput
 from unison.contract.ownership import AccumulationOwner, Feature, GradSync
 from unison.errors import ConfigurationError
 from unison.launch.collectives import RECORDER
+from unison.training import marks
 from unison.training.losses import LossValue, loss_value
 from unison.training.nonfinite import NonFiniteCheck
 from unison.training.stopping import StopAgreement
@@ -151,7 +154,8 @@ class TrainLoop:
         else:
             micro = reduced[:n] / replicas
 
-        grad_norm = strategy.clip_grad_norm(s.grad_clip_norm).detach()
+        with marks.mark(marks.CLIP_GRAD_NORM):
+            grad_norm = strategy.clip_grad_norm(s.grad_clip_norm).detach()
         lrs = [float(g["lr"]) for g in strategy.optimizer.param_groups]  # type: ignore[union-attr]
         finite = True
         if precision.skips_overflow or trainer.nonfinite == "skip":
@@ -246,8 +250,9 @@ class TrainLoop:
         for i, batch in enumerate(micro_batches):
             last = i == n - 1
             # Trainer-owned, boundary sync: skip gradient sync until the last micro-step.
-            sync = strategy.no_sync() if defer and not last else contextlib.nullcontext()  # type: ignore[attr-defined]
-            with sync:
+            skip_sync = defer and not last
+            sync = strategy.no_sync() if skip_sync else contextlib.nullcontext()  # type: ignore[attr-defined]
+            with marks.mark(marks.NO_SYNC, skip_sync), sync:
                 with precision.forward_context():
                     value = self.loss(batch)
                 loss = value.loss
@@ -257,11 +262,15 @@ class TrainLoop:
                     RECORDER.enter("backward (gradient sync)", None)
                 if accumulation.owner is AccumulationOwner.TRAINER:
                     # The one place the loss is divided for accumulation.
-                    strategy.backward(precision.scale_loss(loss / n))
+                    with marks.mark(marks.BACKWARD):
+                        strategy.backward(precision.scale_loss(loss / n))
                 else:
                     # Engine-owned: the engine scales by its own count.
-                    strategy.backward(precision.scale_loss(loss))
-                    if strategy.is_accumulation_boundary() != last:  # type: ignore[attr-defined]
+                    with marks.mark(marks.BACKWARD):
+                        strategy.backward(precision.scale_loss(loss))
+                    answer = bool(strategy.is_accumulation_boundary())  # type: ignore[attr-defined]
+                    marks.boundary(answer)
+                    if answer != last:
                         raise RuntimeError(
                             f"strategy {strategy.name!r} owns accumulation but its boundary disagrees with the "
                             f"trainer's at micro-step {i + 1}/{n}: check its accumulation settings"
