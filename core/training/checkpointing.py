@@ -25,13 +25,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from unison.checkpointing.checkpointer import Checkpointer
 from unison.checkpointing.resume import ResumeRequest
+from unison.contract.env import DistEnv
 from unison.contract.outputs import Progress
+from unison.contract.settings import TrainerSettings
 from unison.contract.state import rng_state, seed_everything, set_rng_state
 from unison.data.loader import TrainData
 from unison.errors import ConfigurationError
 from unison.launch import messages
 
 if TYPE_CHECKING:
+    from unison.contract.strategy import Strategy
     from unison.training.trainer import Trainer
 
 __all__ = ["CheckpointManager", "DataPosition", "RNGState", "Stateful"]
@@ -73,17 +76,29 @@ class CheckpointManager:
     """Saves and loads one fit's checkpoints through ``checkpointer`` (``None``: this fit saves none).
 
     ``states`` name the entries of ``trainer.pt`` (saved in this order, loaded
-    in this order; ``None`` saves ``None``, e.g. no scheduler). ``trainer``
-    is passed to the checkpoint hooks and supplies the strategy, the world
-    and the settings.
+    in this order; ``None`` saves ``None``, e.g. no scheduler). The fit's
+    values it needs come through the constructor: the settings, the strategy
+    whose state it writes and reads, this rank's place in the world.
+    ``trainer`` is what the checkpoint hooks receive; its ``progress`` is the
+    step saved and restored.
     """
 
-    def __init__(self, trainer: Trainer, checkpointer: Checkpointer | None, states: dict[str, Stateful | None]) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        checkpointer: Checkpointer | None,
+        states: dict[str, Stateful | None],
+        *,
+        settings: TrainerSettings,
+        strategy: Strategy,
+        env: DistEnv,
+    ) -> None:
         self._trainer = trainer
         self.checkpointer = checkpointer
         self._states = states
+        self._settings, self._strategy, self._env = settings, strategy, env
         self._rng = RNGState()
-        self._every_n_steps = trainer.settings.checkpoint_every_n_steps
+        self._every_n_steps = settings.checkpoint_every_n_steps
         #: ``{"step": N, "checkpoint": PATH}`` of the checkpoint :meth:`load` loaded (``trainer.resumed_from``).
         self.resumed_from: dict[str, Any] | None = None
 
@@ -103,21 +118,20 @@ class CheckpointManager:
     # -- save ---------------------------------------------------------------------- #
     def save(self) -> Path:
         """Write and commit a checkpoint for the current step (collective: every rank)."""
-        trainer, checkpointer = self._trainer, self.checkpointer
-        assert checkpointer is not None and trainer.env is not None
-        env = trainer.env
+        trainer, checkpointer, strategy, env = self._trainer, self.checkpointer, self._strategy, self._env
+        assert checkpointer is not None
 
         def write(directory: Path) -> dict[str, Any]:
-            trainer.strategy.save_state(directory / "state")
+            strategy.save_state(directory / "state")
             checkpointer.write_rng(directory, env.rank, self._rng.state_dict())
             state = {name: s.state_dict() if s is not None else None for name, s in self._states.items()}
             trainer.pm.unison_on_save_checkpoint(trainer=trainer, checkpoint=state)
             checkpointer.write_trainer_state(directory, state, write=env.rank == 0)
             return {
-                "strategy": trainer.strategy.name,
+                "strategy": strategy.name,
                 "world_size": env.world_size,
-                "precision": trainer.settings.precision,
-                "state_dict": trainer.ownership.to_dict()["state_dict"],
+                "precision": self._settings.precision,
+                "state_dict": strategy.ownership.to_dict()["state_dict"],
             }
 
         return checkpointer.save(trainer.progress.global_step, write)
@@ -132,9 +146,7 @@ class CheckpointManager:
         is derived from the seed, the step and the rank, so the run stays
         deterministic.
         """
-        trainer = self._trainer
-        env = trainer.env
-        assert env is not None
+        trainer, env, settings = self._trainer, self._env, self._settings
         checkpointer = self.checkpointer or Checkpointer(resume.local_path.parent)
         found = checkpointer.select(resume)
         if found is None:  # "auto" and nothing committed yet: a fresh start
@@ -148,7 +160,7 @@ class CheckpointManager:
                 f"declares not reshardable; this run has world size {env.world_size}",
                 f"resume at world size {meta.world_size}",
             )
-        trainer.strategy.load_state(checkpointer.storage.localize(path / "state"))  # object storage: downloaded
+        self._strategy.load_state(checkpointer.storage.localize(path / "state"))  # object storage: downloaded
         state = checkpointer.read_trainer_state(path)
         for name, stateful in self._states.items():
             if stateful is not None and state.get(name) is not None:
@@ -157,8 +169,8 @@ class CheckpointManager:
         if rng is not None:
             self._rng.load_state_dict(rng)
         else:
-            seed_everything(trainer.settings.seed + trainer.progress.global_step + 7919 * env.rank)
+            seed_everything(settings.seed + trainer.progress.global_step + 7919 * env.rank)
         trainer.pm.unison_on_load_checkpoint(trainer=trainer, checkpoint=state)
         self.resumed_from = {"step": trainer.progress.global_step, "checkpoint": str(path)}
-        if env.rank == 0 and trainer.settings.progress != "off":  # an info line, like the progress display's
+        if env.rank == 0 and settings.progress != "off":  # an info line, like the progress display's
             messages.say(f"unison: resuming from step {trainer.progress.global_step}: {path}")

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from unison.contract.env import DistEnv
 from unison.contract.outputs import NonFiniteError, StepOutput
 from unison.contract.ownership import AccumulationOwner, Feature, GradSync
 from unison.errors import ConfigurationError
@@ -40,10 +41,12 @@ from unison.training.nonfinite import NonFiniteCheck
 from unison.training.stopping import StopAgreement
 
 if TYPE_CHECKING:
+    from unison.contract.precision import Precision
     from unison.launch.lifecycle import RunGuard
     from unison.launch.watchdog import Watchdog
     from unison.training.checkpointing import CheckpointManager
     from unison.training.metrics import MetricsLog
+    from unison.training.preflight import FitPlan
     from unison.training.trainer import Trainer
     from unison.training.validation import Validator
 
@@ -51,7 +54,9 @@ __all__ = ["TrainLoop"]
 
 
 class TrainLoop:
-    """Runs one fit's steps on the parts ``fit`` set up (strategy, precision, data, world) held by ``trainer``."""
+    """Runs one fit's steps on the values ``fit`` made: its plan (settings, strategy, data, loss form), the
+    precision, the scheduler and this rank's world; ``trainer`` is what the hooks receive and holds the
+    documented results (``progress``)."""
 
     def __init__(
         self,
@@ -60,11 +65,17 @@ class TrainLoop:
         checkpoints: CheckpointManager,
         metrics: MetricsLog,
         *,
+        plan: FitPlan,
+        precision: Precision,
+        lr_scheduler: Any,
+        env: DistEnv,
         guard: RunGuard | None,
         watchdog: Watchdog,
         control_group: Any,
     ) -> None:
         self.trainer = trainer
+        self.plan, self.settings, self.strategy, self.data = plan, plan.settings, plan.strategy, plan.data
+        self.precision, self.lr_scheduler, self.env = precision, lr_scheduler, env
         self.validator = validator
         self.checkpoints = checkpoints
         self.metrics = metrics
@@ -80,10 +91,9 @@ class TrainLoop:
     def run(self) -> None:
         """Train from ``trainer.progress.global_step`` on (a resume's step, or 0)."""
         trainer = self.trainer
-        s, hook, progress, watchdog = trainer.settings, trainer.pm, trainer.progress, self.watchdog
-        assert trainer.data is not None
+        s, hook, progress, watchdog = self.settings, trainer.pm, trainer.progress, self.watchdog
         epoch = None
-        for batch in trainer.data.steps(progress.global_step):
+        for batch in self.data.steps(progress.global_step):
             step = batch.step
             watchdog.mark(step, "forward_backward")
             if batch.epoch != epoch:
@@ -125,8 +135,7 @@ class TrainLoop:
     def train_step(self, batch: Any) -> StepOutput:
         """One optimizer step on ``batch`` (a step of :meth:`TrainData.steps`), on every rank alike."""
         trainer = self.trainer
-        s, hook, strategy, precision = trainer.settings, trainer.pm, trainer.strategy, trainer.precision
-        assert precision is not None and trainer.env is not None
+        s, hook, strategy, precision = self.settings, trainer.pm, self.strategy, self.precision
         step = batch.step
         hook.unison_on_train_step_start(trainer=trainer, step=step)
         values = self.forward_backward(batch.micro_batches)
@@ -144,7 +153,7 @@ class TrainLoop:
             # torch.full: the count is a kernel argument, not a host-to-device copy (which would synchronise).
             parts.append(torch.full((1,), float(batch.tokens), device=parts[0].device))
         reduced = strategy.reduce_sum(torch.cat(parts))
-        replicas = strategy.data_parallel_size(trainer.env.world_size)
+        replicas = strategy.data_parallel_size(self.env.world_size)
         tokens = reduced[-1] if batch.tokens is not None else None
         items = None
         precision.unscale_gradients(strategy.optimizer)
@@ -158,11 +167,11 @@ class TrainLoop:
             grad_norm = strategy.clip_grad_norm(s.grad_clip_norm).detach()
         lrs = [float(g["lr"]) for g in strategy.optimizer.param_groups]  # type: ignore[union-attr]
         finite = True
-        if precision.skips_overflow or trainer.nonfinite == "skip":
+        if precision.skips_overflow or s.nonfinite == "skip":
             # One device-to-host read: whether to skip must be known before the optimizer step. The global
             # norm and the replica-averaged losses are the same on every rank, so every rank decides alike.
             finite = bool(torch.isfinite(grad_norm) & torch.isfinite(micro).all())
-        elif trainer.nonfinite == "raise":
+        elif s.nonfinite == "raise":
             # No read now: the previous step's flag is read (naming its step) while this step's work is queued.
             self.nonfinite.resolve()
             finite_now = torch.isfinite(grad_norm) & torch.isfinite(micro).all()
@@ -175,7 +184,7 @@ class TrainLoop:
         self._count(skipped)
         strategy.zero_grad()
         hook.unison_on_after_optimizer_step(trainer=trainer, step=step, skipped=skipped)
-        if self.consecutive_skips >= trainer.max_consecutive_skips:
+        if self.consecutive_skips >= s.max_consecutive_skips:
             raise NonFiniteError(
                 f"step {step}: {self.consecutive_skips} optimizer steps in a row were skipped (non-finite "
                 "gradients: fp16 overflow or NaN/inf losses); training is not progressing. Fix: check the data and "
@@ -196,14 +205,13 @@ class TrainLoop:
         device (a factor of exactly 1). With the default token rule, the step's
         tokens are its items: tokens/s counts what the loss is normalised by.
         """
-        trainer = self.trainer
         total = items.sum()
         mean = total < 0
         micro = torch.where(mean, sums / replicas, sums / items.clamp(min=1))
-        numerator = trainer.ownership.normalisation.gradient_factor_numerator(len(sums), replicas)
+        numerator = self.strategy.ownership.normalisation.gradient_factor_numerator(len(sums), replicas)
         one = torch.ones((), device=total.device)
-        trainer.strategy.scale_gradients(torch.where(mean, one, numerator / total.clamp(min=1)))
-        if trainer.data is not None and trainer.data.counts_tokens_by_default:
+        self.strategy.scale_gradients(torch.where(mean, one, numerator / total.clamp(min=1)))
+        if self.data is not None and self.data.counts_tokens_by_default:
             tokens = torch.where(mean, tokens if tokens is not None else -one, total)
         return micro, tokens
 
@@ -214,8 +222,8 @@ class TrainLoop:
         if not skipped:
             progress.optimizer_steps += 1
             self.consecutive_skips = 0
-            if trainer.lr_scheduler is not None:
-                trainer.lr_scheduler.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
                 progress.scheduler_steps += 1
         else:
             progress.skipped_steps += 1
@@ -232,14 +240,13 @@ class TrainLoop:
         pair is backpropagated the same way (its sum), and scaled once after
         the last micro-step (:meth:`train_step`).
         """
-        trainer = self.trainer
-        accumulation = trainer.ownership.grad_accumulation
-        strategy, precision = trainer.strategy, trainer.precision
+        accumulation = self.strategy.ownership.grad_accumulation
+        strategy, precision = self.strategy, self.precision
         assert precision is not None
         if accumulation.owner is AccumulationOwner.SCHEDULE:
             pairs = [tuple(b) for b in micro_batches]
-            loss_fn = trainer.loss_fn
-            if trainer.ownership.refusal(Feature.ITEM_WEIGHTED_LOSS) is not None:
+            loss_fn = self.plan.loss_fn
+            if self.strategy.ownership.refusal(Feature.ITEM_WEIGHTED_LOSS) is not None:
                 loss_fn = _RefusePairs(loss_fn, self._refuse_pairs)  # the schedule could not pass a pair through
             RECORDER.enter("forward_backward (pipeline schedule)", None)  # for a stall report: assignments only
             out = strategy.forward_backward(pairs, loss_fn, precision)  # type: ignore[attr-defined]
@@ -280,15 +287,14 @@ class TrainLoop:
 
     def loss(self, batch: Any) -> LossValue:
         """One micro-batch's loss in the fit's form: a mean (0-dim tensor) or a ``(loss_sum, num_items)`` pair."""
-        trainer = self.trainer
-        precision = trainer.precision
+        precision = self.precision
         assert precision is not None
-        if trainer.training_step is not None:
-            value = trainer.training_step(trainer.strategy.model, precision.convert_input(batch))
+        if self.plan.training_step is not None:
+            value = self.plan.training_step(self.strategy.model, precision.convert_input(batch))
             name = "training_step"
         else:
             inputs, targets = batch
-            value = trainer.loss_fn(trainer.strategy.forward(precision.convert_input(inputs)), targets)  # type: ignore[misc]
+            value = self.plan.loss_fn(self.strategy.forward(precision.convert_input(inputs)), targets)  # type: ignore[misc]
             name = "loss_fn"
         loss = loss_value(value, name)
         if loss.items is not None:
@@ -297,12 +303,11 @@ class TrainLoop:
 
     def _refuse_pairs(self) -> None:
         """A pair for a strategy that refuses them: the same error on every rank, at the first micro-step."""
-        trainer = self.trainer
-        reason = trainer.ownership.refusal(Feature.ITEM_WEIGHTED_LOSS)
+        reason = self.strategy.ownership.refusal(Feature.ITEM_WEIGHTED_LOSS)
         if reason is not None:
             raise ConfigurationError(
                 "loss_fn/training_step",
-                f"strategy {trainer.strategy.name!r} refuses {Feature.ITEM_WEIGHTED_LOSS.description}: {reason}",
+                f"strategy {self.strategy.name!r} refuses {Feature.ITEM_WEIGHTED_LOSS.description}: {reason}",
                 "return the micro-batch's mean loss, or use a strategy that takes (loss_sum, num_items) "
                 "(unison describe NAME shows its loss normalisation)",
             )

@@ -503,13 +503,20 @@ class Trainer:
                 "precision": precision,
                 "data": DataPosition(data, self.progress),
             },
+            settings=s,
+            strategy=strategy,
+            env=env,
         )
-        fit.validator = validator = Validator(self, plan.validation, self._metrics)
+        fit.validator = validator = Validator(self, plan, precision, env.device, self._metrics)
         fit.loop = TrainLoop(
             self,
             validator,
             checkpoints,
             self._metrics,
+            plan=plan,
+            precision=precision,
+            lr_scheduler=fit.lr_scheduler,
+            env=env,
             guard=fit.guard,
             watchdog=fit.watchdog,
             control_group=fit.world.control_group,

@@ -23,7 +23,9 @@ from unison.errors import ConfigurationError
 from unison.training.losses import loss_value
 
 if TYPE_CHECKING:
+    from unison.contract.precision import Precision
     from unison.training.metrics import MetricsLog
+    from unison.training.preflight import FitPlan
     from unison.training.trainer import Trainer
 
 #: A resolved validation set: ``(source, collate_fn, loader options)``.
@@ -46,17 +48,27 @@ def resolve_validation(val_dataset: Any, collate_fn: Any, settings: TrainerSetti
 class Validator:
     """Validates the fit's model on its ``val_dataset`` (or another dataset on request).
 
-    Created by ``fit`` once the strategy is set up; ``trainer`` is passed to
-    the validation hooks and supplies the strategy, precision and data
-    layout (replicas, this rank); the result goes to the loggers through
-    ``metrics``.
+    Created by ``fit`` once the strategy is set up, from the fit's values:
+    its plan (settings, strategy, loss form, data layout: replicas, this
+    rank), the precision built for the device and the world's device.
+    ``trainer`` is what the validation hooks receive and where the documented
+    result, ``last_validation``, is kept; the metrics go to the loggers
+    through ``metrics``.
     """
 
-    def __init__(self, trainer: Trainer, source: ValidationSource | None, metrics: MetricsLog) -> None:
+    def __init__(
+        self,
+        trainer: Trainer,
+        plan: FitPlan,
+        precision: Precision,
+        device: torch.device,
+        metrics: MetricsLog,
+    ) -> None:
         self._trainer = trainer
+        self._plan, self._precision, self._device = plan, precision, device
         self._metrics = metrics
-        self._source = source
-        self._every_n_steps = trainer.settings.val_every_n_steps
+        self._source = plan.validation
+        self._every_n_steps = plan.settings.val_every_n_steps
         #: The step the loop last validated at (``None``: not yet in this fit).
         self.last_validated: int | None = None
 
@@ -77,15 +89,8 @@ class Validator:
 
         ``dataset`` replaces the fit's ``val_dataset`` for this call.
         """
-        trainer = self._trainer
-        s, strategy, precision, data, env = (
-            trainer.settings,
-            trainer.strategy,
-            trainer.precision,
-            trainer.data,
-            trainer.env,
-        )
-        assert env is not None and precision is not None and data is not None
+        trainer, plan, precision = self._trainer, self._plan, self._precision
+        s, strategy, data = plan.settings, plan.strategy, plan.data
         resolved = resolve_validation(dataset, None, s) if dataset is not None else self._source
         assert resolved is not None, "validate() needs a val_dataset (given to fit or here)"
         source, collate, options = resolved
@@ -95,22 +100,22 @@ class Validator:
         assert model is not None
         was_training = model.training
         model.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=env.device)
+        total = torch.zeros(2, dtype=torch.float64, device=self._device)
         per_forward = s.val_batch_size * data.replicas
         num_batches = -(-len(source) // per_forward) if is_map_style(source) else None  # for progress displays
         stream = validation_stream(source, collate, s.val_batch_size, data.replicas, data.rank, options, s.seed)
         for i, (batch, weight) in enumerate(stream):
             batch = strategy.to_device(batch)
             with precision.forward_context():
-                if trainer.training_step is not None:
+                if plan.training_step is not None:
                     value = loss_value(
-                        trainer.training_step(strategy.model, precision.convert_input(batch)), "training_step"
+                        plan.training_step(strategy.model, precision.convert_input(batch)), "training_step"
                     )
                 else:
                     inputs, targets = batch
-                    assert trainer.loss_fn is not None  # checked before the fit: one batch form or the other
+                    assert plan.loss_fn is not None  # checked before the fit: one batch form or the other
                     value = loss_value(
-                        strategy.eval_loss(precision.convert_input(inputs), targets, trainer.loss_fn), "loss_fn"
+                        strategy.eval_loss(precision.convert_input(inputs), targets, plan.loss_fn), "loss_fn"
                     )
             if value.items is None:  # a mean over the batch's real samples: weighted by them
                 part = [value.loss.detach().double() * weight, torch.full((), float(weight), device=total.device)]
