@@ -273,8 +273,26 @@ def test_declaration():
         config = strategy.build_config(settings, 2)
         assert config["zero_optimization"]["stage"] == stage
         assert config["train_micro_batch_size_per_gpu"] == 4 and config["gradient_accumulation_steps"] == 4
-        assert config["gradient_clipping"] == 0.5 and config["bf16"] == {"enabled": True}
+        assert config["bf16"] == {"enabled": True}
         assert "optimizer" not in config and "scheduler" not in config
+        # ZeRO-2 under bf16-mixed: the trainer clips with the norm it measured, and DeepSpeed measures none.
+        # ZeRO-1 in bf16-mixed runs DeepSpeed's BF16 optimizer and ZeRO-3 has no such switch: they clip.
+        if stage == 2:
+            assert config["gradient_clipping"] == 0.0 and config["zero_optimization"]["compute_grad_norm"] is False
+        else:
+            assert config["gradient_clipping"] == 0.5 and "compute_grad_norm" not in config["zero_optimization"]
+
+
+def test_the_trainer_clips_where_deepspeed_can_skip_its_own_norm():
+    from unison.strategies.deepspeed.config import DeepSpeedOptions, trainer_clips
+
+    def clips(stage, precision="32-true", clip=1.0, **options):
+        settings = unison.TrainerSettings(precision=precision, grad_clip_norm=clip, max_steps=1)
+        return trainer_clips(stage, DeepSpeedOptions(**options), settings)
+
+    assert clips(1) and clips(2) and clips(2, "bf16-mixed")
+    assert not clips(3) and not clips(1, "bf16-mixed") and not clips(2, "16-mixed")
+    assert not clips(2, offload_optimizer="cpu") and not clips(2, clip=None)
 
 
 def test_zero3_offload_alias_presets_both_offloads():

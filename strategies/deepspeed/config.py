@@ -7,7 +7,8 @@ unison generates the DeepSpeed config from its own settings::
     train_batch_size               = global_batch_size
     train_micro_batch_size_per_gpu = global_batch_size / accumulate_grad_batches / world size
     gradient_accumulation_steps    = accumulate_grad_batches
-    gradient_clipping              = grad_clip_norm (0.0 = off)
+    gradient_clipping              = grad_clip_norm (0.0 = off), or 0.0 where the trainer clips
+    zero_optimization.compute_grad_norm = false where the trainer clips (see below)
     bf16.enabled / fp16.enabled    = precision
     zero_optimization.stage        = 1 | 2 | 3 (the strategy name)
     zero_optimization.offload_*    = strategy_options.offload_optimizer / offload_param
@@ -18,6 +19,17 @@ these is a :class:`~unison.errors.ConfigurationError` naming both, and an
 client optimizer built by the trainer's factory (DeepSpeed silently lets a
 config section and a client optimizer change the trajectory together), and the
 LR scheduler is the trainer's, stepped once per optimizer step.
+
+Who clips
+---------
+The trainer measures the global gradient norm before the optimizer step on every backend (the
+``unison_on_before_optimizer_step`` hook and the non-finite check receive it). Where DeepSpeed can be
+told not to measure it again (ZeRO stage 1 or 2 without optimizer offload, outside fp16, and not stage 1
+under bf16-mixed, which DeepSpeed runs on its BF16 optimizer: :func:`trainer_clips`), the trainer also
+clips: the generated config turns DeepSpeed's clipping and norm off (``gradient_clipping = 0.0``,
+``zero_optimization.compute_grad_norm = false``) and the strategy scales the engine's gradient pieces by
+``min(1, grad_clip_norm / (norm + 1e-6))``, ``torch.nn.utils.clip_grad_norm_``'s factor. Elsewhere
+DeepSpeed clips at ``gradient_clipping = grad_clip_norm`` inside its step, after measuring the norm again.
 
 Nothing here imports DeepSpeed or touches a process group: every check runs
 before any process group starts, and the functions are unit-tested alone.
@@ -101,6 +113,22 @@ def check_options(stage: int, options: DeepSpeedOptions) -> None:
             )
 
 
+def trainer_clips(stage: int, options: DeepSpeedOptions, settings: TrainerSettings) -> bool:
+    """Whether the trainer clips and DeepSpeed measures no norm of its own (see the module's docstring).
+
+    DeepSpeed 0.19 skips its norm only in the ZeRO stage 1/2 optimizer (``compute_grad_norm``), and
+    refuses it with optimizer offload and with stage 1's BF16 optimizer; under fp16 its norm also decides
+    loss-scale overflow, so it is kept there.
+    """
+    return (
+        settings.grad_clip_norm is not None
+        and stage in (1, 2)
+        and options.offload_optimizer == "none"
+        and settings.precision != "16-mixed"
+        and not (stage == 1 and settings.precision == "bf16-mixed")
+    )
+
+
 def generated_config(
     stage: int, options: DeepSpeedOptions, settings: TrainerSettings, world_size: int
 ) -> dict[str, Any]:
@@ -111,12 +139,15 @@ def generated_config(
         zero["offload_optimizer"] = {"device": options.offload_optimizer}
     if options.offload_param != "none":
         zero["offload_param"] = {"device": options.offload_param}
+    clips = trainer_clips(stage, options, settings)
+    if clips:
+        zero["compute_grad_norm"] = False  # the trainer's norm is the one clipped with and reported
     return {
         "train_batch_size": s.global_batch_size,
         "train_micro_batch_size_per_gpu": s.micro_batch_size(world_size),
         "gradient_accumulation_steps": s.accumulate_grad_batches,
-        # 0.0 is DeepSpeed's "no clipping"; the norm is still measured.
-        "gradient_clipping": float(s.grad_clip_norm or 0.0),
+        # 0.0 is DeepSpeed's "no clipping" (its norm is still measured unless compute_grad_norm is off).
+        "gradient_clipping": 0.0 if clips else float(s.grad_clip_norm or 0.0),
         "bf16": {"enabled": s.precision == "bf16-mixed"},
         "fp16": {"enabled": s.precision == "16-mixed"},
         "zero_optimization": zero,
@@ -133,7 +164,10 @@ def _unison_source(
         ("train_micro_batch_size_per_gpu",): f"global_batch_size={s.global_batch_size} / "
         f"accumulate_grad_batches={s.accumulate_grad_batches} / world size {world_size}",
         ("gradient_accumulation_steps",): f"accumulate_grad_batches={s.accumulate_grad_batches}",
-        ("gradient_clipping",): f"grad_clip_norm={s.grad_clip_norm}",
+        ("gradient_clipping",): f"grad_clip_norm={s.grad_clip_norm}"
+        + (" (the trainer clips; DeepSpeed's clipping stays off)" if trainer_clips(stage, options, s) else ""),
+        ("zero_optimization", "compute_grad_norm"): f"grad_clip_norm={s.grad_clip_norm} (the trainer measures "
+        "and clips the global norm; DeepSpeed measures none)",
         ("bf16", "enabled"): f"precision={s.precision!r}",
         ("fp16", "enabled"): f"precision={s.precision!r}",
         ("zero_optimization", "stage"): f"strategy={name!r} (ZeRO stage {stage})",
@@ -214,4 +248,5 @@ __all__ = [
     "flatten",
     "generated_config",
     "merge",
+    "trainer_clips",
 ]

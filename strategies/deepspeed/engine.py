@@ -21,8 +21,12 @@ zeroes the gradients. The loss is scaled exactly once, by the engine.
 
 The grad norm unison reports is measured before that step from each rank's
 piece of the reduced gradients (one scalar all-reduce; see
-``_upstream.deepspeed.local_grad_piece``); it equals the reference's and the
-one the engine then clips with (``engine.get_global_grad_norm()``).
+``_upstream.deepspeed.local_grad_piece``); it equals the reference's. Under
+ZeRO 1/2 (outside fp16, without optimizer offload, and not ZeRO-1 in
+bf16-mixed) it is also the norm clipped with: the trainer scales the pieces
+and DeepSpeed measures no second norm (``compute_grad_norm = false``,
+:mod:`.config`). Elsewhere the engine measures its own again and clips with it
+(``engine.get_global_grad_norm()``).
 
 Checkpoints
 -----------
@@ -63,7 +67,13 @@ from unison.contract.precision import cast_floating
 from unison.contract.settings import TrainerSettings
 from unison.contract.strategy import OptimizerFactory, Strategy, dcp_load, dcp_save
 from unison.errors import ConfigurationError
-from unison.strategies.deepspeed.config import FP16_ON_CPU, DeepSpeedOptions, build_config, check_options
+from unison.strategies.deepspeed.config import (
+    FP16_ON_CPU,
+    DeepSpeedOptions,
+    build_config,
+    check_options,
+    trainer_clips,
+)
 from unison.strategies.deepspeed.conversion import ZeroCanonicalState, meta_skeleton
 
 #: Why DeepSpeed strategies refuse the module features: the engine owns the module's forward.
@@ -104,6 +114,7 @@ class DeepSpeedStrategy(Strategy):
         self.stage = stage
         self.engine: Any = None
         self.ds_config: dict[str, Any] | None = None
+        self._trainer_clips = False
         #: Conversion to and from the canonical layout (built in setup).
         self.canonical: ZeroCanonicalState | None = None
         self._deepspeed_version = ""
@@ -221,6 +232,8 @@ class DeepSpeedStrategy(Strategy):
         # group exists; a run without a launcher has none (the trainer's world of 1).
         os.environ.setdefault("LOCAL_RANK", str(env.local_rank))
         self.ds_config = self.build_config(settings, env.world_size)
+        #: The generated config turned DeepSpeed's norm and clipping off: :meth:`clip_grad_norm` clips.
+        self._trainer_clips = trainer_clips(self.stage, self.options, settings)
         self._dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision.name, torch.float32)
         # The fp32 weights as the user built them: DeepSpeed casts the module to
         # bf16/fp16 before it creates the fp32 master copy, which would start
@@ -271,11 +284,19 @@ class DeepSpeedStrategy(Strategy):
         return self._boundary
 
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
-        """Measure the global pre-clip norm; the engine clips inside the boundary ``step()``.
+        """Measure the global pre-clip norm; clip where the trainer clips, else the engine does in its ``step()``.
 
-        ``gradient_clipping`` in the generated config is ``grad_clip_norm``, so
-        ``max_norm`` must be that value (the engine cannot clip to another).
+        Where :func:`.config.trainer_clips` (ZeRO 1/2 outside fp16, no optimizer offload, not ZeRO-1 under
+        bf16-mixed), DeepSpeed measures no norm and clips nothing: this rank's pieces of the reduced
+        gradients are scaled by ``min(1, max_norm / (norm + 1e-6))`` here, the factor of
+        ``torch.nn.utils.clip_grad_norm_``. Elsewhere ``gradient_clipping`` in the generated config is
+        ``grad_clip_norm``, so ``max_norm`` must be that value (the engine cannot clip to another).
         """
+        if self._trainer_clips:
+            norm = self._global_grad_norm()
+            if max_norm is not None:
+                self.scale_gradients(torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+            return norm
         configured = float(self.ds_config["gradient_clipping"]) if self.ds_config else 0.0
         if float(max_norm or 0.0) != configured:
             raise RuntimeError(
