@@ -32,7 +32,7 @@ class EngineProbe:
     """Reads the engine's own view after every optimizer step (a real plugin)."""
 
     def __init__(self) -> None:
-        self.engine_norms: list[float] = []
+        self.engine_norms: list[float | None] = []
         self.engine_lrs: list[float] = []
         self.shared_param_groups: list[bool] = []
         self.footprint: dict[str, int] | None = None
@@ -50,7 +50,8 @@ class EngineProbe:
         engine = getattr(strategy, "engine", None)
         if engine is None:
             return
-        self.engine_norms.append(float(engine.get_global_grad_norm()))
+        norm = engine.get_global_grad_norm()  # None where the trainer clips and DeepSpeed measured no norm
+        self.engine_norms.append(float(norm) if norm is not None else None)
         # The scheduler steps the client optimizer; the ZeRO optimizer must
         # update with the very same param_groups dicts.
         self.shared_param_groups.append(
