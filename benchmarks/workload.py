@@ -343,11 +343,16 @@ def hand_fsdp(w: Workload) -> list[float]:
 
 
 def deepspeed_config(w: Workload, stage: int, world: int) -> dict[str, Any]:
-    """The DeepSpeed config unison generates for these settings (so both runs configure the engine alike)."""
+    """The DeepSpeed config unison generates for these settings (so both runs configure the engine alike),
+    clipping as a DeepSpeed user does: by the engine, at ``gradient_clipping``, with its own norm (where
+    unison clips with the trainer's norm instead, its config turns the engine's off)."""
     import unison
 
     trainer = unison.Trainer(strategy=f"zero{stage}", **w.unison_settings())
-    return trainer.strategy.build_config(trainer.settings, world)
+    config = trainer.strategy.build_config(trainer.settings, world)
+    config["gradient_clipping"] = w.clip
+    config["zero_optimization"].pop("compute_grad_norm", None)
+    return config
 
 
 def hand_deepspeed(w: Workload, stage: int) -> list[float]:

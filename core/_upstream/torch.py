@@ -2,9 +2,10 @@
 
 A private API can change in any torch release. Each one lives here, beside the reason
 no public API serves, so an upgrade is a review of this file instead of a hunt through
-the loop, the loader, the launcher and the backends. Each function warns once, at first use, when the
-installed torch is not :data:`VERIFIED_VERSION` (the dependency pins it), and says what
-it does instead when the private name is gone. ``tests/test_upstream.py`` fails when
+the loop, the loader, the launcher and the backends (which is why it is one module, past
+400 lines). Each function warns once, at first use, when the installed torch is not
+:data:`VERIFIED_VERSION` (the dependency pins it), and says what it does instead when the
+private name is gone. ``tests/test_upstream.py`` fails when
 code outside :mod:`unison._upstream` reaches a private upstream name, and runs each function here
 against the installed torch.
 
