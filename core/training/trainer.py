@@ -137,6 +137,14 @@ class Trainer:
 
     Every check that can be made before the process group starts is made here
     and at the start of :meth:`fit`.
+
+    What a fit decided is read through read-only properties (``env``,
+    ``run_dir``, ``checkpointer``, ``resumed_from``, ``precision``, ``data``,
+    ``lr_scheduler``, ``loss_fn``, ``training_step``, ``control_group``,
+    ``setup_started``), kept from the latest fit until the next one starts;
+    a fit changes nothing else on the trainer but its documented results:
+    ``progress``, ``last_validation``, ``should_stop`` and what
+    :meth:`full_state_dict` returns (:mod:`unison.training.record`).
     """
 
     def __init__(
