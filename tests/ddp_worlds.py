@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import tempfile
+import time
 from typing import Any
 
 import torch
+
+import unison
 
 from helpers import regression_data, train
 
@@ -55,6 +58,15 @@ def overflow_data() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
+class SlowFitEndOnRank0:
+    """Rank 0 takes a second longer to end its fit (a slow logger's flush, a busy core)."""
+
+    @unison.hookimpl
+    def unison_on_fit_end(self, trainer: Any) -> None:
+        if trainer.is_global_zero:
+            time.sleep(1.0)
+
+
 def ddp_scenarios() -> dict[str, Any]:
     out: dict[str, Any] = {}
     out["fp32"] = train("ddp", val=regression_data(n=51, seed=7), val_every_n_steps=10)
@@ -65,7 +77,9 @@ def ddp_scenarios() -> dict[str, Any]:
     rank = torch.distributed.get_rank()
     root = [tempfile.mkdtemp(prefix="unison-ddp-ckpt-") if rank == 0 else None]
     torch.distributed.broadcast_object_list(root)
-    train("ddp", max_steps=10, checkpoint_dir=root[0])
+    # Rank 0 holds the checkpoint directory's lease and is slowed at the first fit's end: the second fit's
+    # preflight on rank 1 (no collective yet) must not find the first fit's lease still held.
+    train("ddp", max_steps=10, checkpoint_dir=root[0], callbacks=(SlowFitEndOnRank0(),))
     out["resumed"] = train("ddp", max_steps=20, checkpoint_dir=root[0], ckpt_path="last")
     out["ckpt_dir"] = root[0]
     # Gradient sync really skipped on non-boundary micro-steps: the all-reduces

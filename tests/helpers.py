@@ -96,6 +96,7 @@ def train(
     record: bool = True,
     ckpt_path: Any = None,
     val: Any = None,
+    callbacks: tuple[Any, ...] = (),
     **settings: Any,
 ) -> dict[str, Any]:
     """Train and return what the parity tests compare (on every rank)."""
@@ -107,7 +108,7 @@ def train(
         **settings,
     }
     recorder = HookRecorder()
-    trainer = unison.Trainer(strategy=strategy, callbacks=[recorder] if record else [], **settings)
+    trainer = unison.Trainer(strategy=strategy, callbacks=[*([recorder] if record else []), *callbacks], **settings)
     with trainer.pm.record_hook_calls() as monitored:
         progress = trainer.fit(
             model if model is not None else mlp(),

@@ -556,6 +556,12 @@ class Trainer:
         # Kept so that full_state_dict() works after fit tore the strategy down.
         fit.final_state = self.strategy.full_state_dict()
         hook.unison_on_fit_end(trainer=self)
+        if fit.place.checkpointer is not None and env.world_size > 1 and torch.distributed.is_initialized():
+            # The lease is given back before fit returns on any rank: a next fit in this world (the same
+            # processes, a loop of fits) reads it before any collective, and would find this fit's on a
+            # rank that got there first (rank 0 gives it back). The release in fit's finally is then a no-op.
+            fit.place.checkpointer.admission.release()
+            torch.distributed.barrier(group=fit.world.control_group)
 
     # -- validation ------------------------------------------------------------ #
     def validate(self, dataset: Any = None) -> dict[str, float]:
