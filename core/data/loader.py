@@ -116,7 +116,6 @@ class TrainData:
             if data_parallel_size is None:
                 raise TypeError("TrainData needs sizes or data_parallel_size")
             sizes = StepSizes(settings.global_batch_size, settings.accumulate_grad_batches, data_parallel_size)
-        self.sizes = sizes
         self.replicas, self.rank = sizes.data_parallel_size, data_parallel_rank
         self.plan = (
             BatchPlan(

@@ -51,11 +51,6 @@ class StepSizes:
                 f"(e.g. {a * d * max(1, -(-micro // d))})",
             )
 
-    @property
-    def micro_batch_size(self) -> int:
-        """Samples per micro-batch, all replicas together."""
-        return self.global_batch_size // self.accumulate_grad_batches
-
 
 def check_divisible(global_batch_size: int, accumulate_grad_batches: int, data_parallel_size: int) -> None:
     """Raise a ConfigurationError naming the option when sizes do not divide (:class:`StepSizes`'s check)."""

@@ -211,7 +211,7 @@ class TrainLoop:
         numerator = self.strategy.ownership.normalisation.gradient_factor_numerator(len(sums), replicas)
         one = torch.ones((), device=total.device)
         self.strategy.scale_gradients(torch.where(mean, one, numerator / total.clamp(min=1)))
-        if self.data is not None and self.data.counts_tokens_by_default:
+        if self.data.counts_tokens_by_default:
             tokens = torch.where(mean, tokens if tokens is not None else -one, total)
         return micro, tokens
 

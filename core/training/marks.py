@@ -44,6 +44,5 @@ def mark(name: str, on: bool = True) -> Any:
 
 def boundary(answer: bool) -> None:
     """Mark an engine's ``is_accumulation_boundary()`` answer (an empty range named by it)."""
-    if profiler_enabled():
-        with torch.autograd.profiler.record_function(BOUNDARY_TRUE if answer else BOUNDARY_FALSE):
-            pass
+    with mark(BOUNDARY_TRUE if answer else BOUNDARY_FALSE):
+        pass
