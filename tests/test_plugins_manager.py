@@ -254,6 +254,28 @@ def test_a_plugin_installed_while_the_process_runs_is_found_by_the_next_manager(
     assert "installed_late" in unison.PluginManager().strategies.names()
 
 
+def test_installed_versions_are_read_again_when_what_is_installed_changes(tmp_path, monkeypatch):
+    # What a run records as its versions is read once per change of what is installed, like the entry points.
+    from unison.plugin.entry_points import installed_versions
+
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    names = ("unison-installed-plugin", "torch")
+    assert installed_versions(names) == {"torch": torch.__version__}
+    install_plugin(site)
+    versions = installed_versions(names)
+    assert versions == {"unison-installed-plugin": "0.1", "torch": torch.__version__}
+    versions["torch"] = "changed by a caller"
+    assert installed_versions(names)["torch"] == torch.__version__  # each call gets its own dict
+    # An upgrade the way pip does it: the old .dist-info removed, the new one written.
+    old = site / "unison_installed_plugin-0.1.dist-info"
+    new = site / "unison_installed_plugin-0.2.dist-info"
+    old.rename(new)
+    (new / "METADATA").write_text("Metadata-Version: 2.1\nName: unison-installed-plugin\nVersion: 0.2\n")
+    assert installed_versions(names)["unison-installed-plugin"] == "0.2"
+
+
 def test_an_installed_plugin_is_autoloaded_and_can_be_disabled(installed_plugin, monkeypatch):
     monkeypatch.syspath_prepend(str(installed_plugin))
     assert "installed_late" in unison.PluginManager().strategies.names()

@@ -60,8 +60,7 @@ import pluggy
 
 from unison.errors import PluginError
 from unison.plugin import PROJECT_NAME, hookspecs
-from unison.plugin.entry_points import ENTRY_POINT_GROUP
-from unison.plugin.entry_points import entry_points as installed_entry_points
+from unison.plugin.entry_points import ENTRY_POINT_GROUP, entry_points_with_distributions
 from unison.plugin.registry import PrecisionRegistry, StrategyRegistry
 from unison.plugin.rng_guard import CHECK_RNG_ENV
 from unison.plugin.rng_guard import install as install_rng_guard
@@ -146,8 +145,7 @@ class PluginManager:
 
     # -- registration ------------------------------------------------------ #
     def _load_entry_points(self, *, third_party: bool) -> None:
-        for ep in installed_entry_points(ENTRY_POINT_GROUP):
-            dist = ep.dist.name if ep.dist is not None else None
+        for ep, dist in entry_points_with_distributions(ENTRY_POINT_GROUP):
             if not third_party and dist != PROJECT_NAME:
                 continue
             if self._pm.is_blocked(ep.name) or self._pm.has_plugin(ep.name):

@@ -36,7 +36,6 @@ started at the same moment under one URL root may take the same number.
 from __future__ import annotations
 
 import datetime
-import importlib.metadata
 import json
 import os
 import platform
@@ -55,6 +54,7 @@ from unison.checkpointing.nofollow import refuse_link, replace_atomically
 from unison.checkpointing.storage import LocalStorage, open_storage, split_url
 from unison.errors import ConfigurationError
 from unison.launch import messages
+from unison.plugin.entry_points import installed_versions
 from unison.training.runs import DEFAULT_ROOT_ENV, new_version
 
 RUN_FILE = "run.json"
@@ -265,12 +265,7 @@ def run_metadata_time() -> str:
 
 
 def package_versions() -> dict[str, str]:
-    versions = {"python": platform.python_version()}
-    for name in _PACKAGES:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    versions = {"python": platform.python_version(), **installed_versions(_PACKAGES)}
     if torch.version.cuda:
         versions["cuda"] = torch.version.cuda
     return versions
