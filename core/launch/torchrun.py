@@ -10,10 +10,11 @@
   processes with an initialised gloo group and returns each rank's result. The
   conformance suite and the tests use it to run many scenarios in one process
   group. On any failure or timeout every process of the world is killed. The
-  ranks are forked from multiprocessing's fork server, which imported torch and
-  unison once for the calling process (a world starts in a tenth of a second,
-  not the seconds each rank's own import of torch took); each rank runs with the
-  caller's environment of that call and has run nothing of an earlier world.
+  ranks are forked from multiprocessing's fork server, which imported torch,
+  unison and DeepSpeed (:mod:`unison.launch._preload`) once for the calling
+  process (a world starts in a tenth of a second, not the seconds each rank's
+  own imports took); each rank runs with the caller's environment of that call
+  and has run nothing of an earlier world.
 """
 
 from __future__ import annotations
@@ -210,17 +211,11 @@ class WorldError(RuntimeError):
     """A rank of a spawned world failed; carries that rank's traceback."""
 
 
-#: What the fork server imports before it forks a rank: the seconds each rank spent importing torch and
-#: unison are paid once per calling process.
-_PRELOAD = ("torch", "torch.distributed", "unison.training.trainer")
-#: Imported by the fork server too when the calling process has imported them when it starts (seconds each).
-_PRELOAD_IF_IMPORTED = ("deepspeed",)
-
-
 def _context() -> Any:
-    """multiprocessing's fork server (started by this process's first world), preloading :data:`_PRELOAD`."""
+    """multiprocessing's fork server (started by this process's first world), importing
+    :mod:`unison.launch._preload` before it forks any rank."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*_PRELOAD, *(m for m in _PRELOAD_IF_IMPORTED if m in sys.modules)])
+    ctx.set_forkserver_preload(["unison.launch._preload"])
     return ctx
 
 
