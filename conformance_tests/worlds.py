@@ -17,6 +17,8 @@ Phases, in order (each depends on the checkpoints of the one before)::
     fresh-world    spawn(N)       the strategy resuming its own checkpoint in new processes of
                                   the main size (nothing a process caches survives into them)
 
+A world's ranks are forked from the fork server of :func:`~unison.launch.torchrun.spawn`, which only
+imported libraries: no rank of a later world holds anything an earlier world's ranks ran or cached.
 Every phase runs with ``UNISON_CHECK_PLUGIN_RNG=1`` (:func:`rng_guarded`).
 """
 

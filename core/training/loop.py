@@ -82,9 +82,9 @@ class TrainLoop:
         #: The fit's progress watchdog.
         self.watchdog = watchdog
         #: Every rank's stop flags (``should_stop``, ``guard``'s stop requests), agreed over the CPU control group.
-        self.stop = StopAgreement(trainer, guard, control_group)
+        self.stop = StopAgreement(trainer, guard, control_group, env)
         #: ``nonfinite="raise"``: each step's finiteness, read one step late.
-        self.nonfinite = NonFiniteCheck(trainer, self.stop, control_group)
+        self.nonfinite = NonFiniteCheck(env, self.stop, control_group)
         #: Optimizer steps skipped in a row; ``max_consecutive_skips`` of them stop training.
         self.consecutive_skips = 0
 
@@ -106,7 +106,7 @@ class TrainLoop:
             hook.unison_on_train_step_end(trainer=trainer, step=step, output=output)
             if done % s.log_every_n_steps == 0:
                 self.nonfinite.resolve()  # the metrics read the device anyway: a non-finite step is never logged
-                self.metrics.log_step(output)
+                self.metrics.log_step(output, retries=self.data.read_retries())
             if batch.last_in_epoch:
                 hook.unison_on_train_epoch_end(trainer=trainer, epoch=epoch)
             watchdog.mark(step, "stop_agreement")

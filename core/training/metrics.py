@@ -42,8 +42,9 @@ class MetricsLog:
         else:
             self.emit(dict(metrics))
 
-    def log_step(self, output: StepOutput) -> None:
-        """The step's metrics and the user metrics kept since the last logging step."""
+    def log_step(self, output: StepOutput, *, retries: int | None = None) -> None:
+        """The step's metrics and the user metrics kept since the last logging step; ``retries``: the
+        transient object-storage errors the fit's data source retried so far (``None``: it has no count)."""
         metrics: dict[str, Any] = {
             "train/loss": output.loss,
             "train/grad_norm": output.grad_norm,
@@ -53,8 +54,6 @@ class MetricsLog:
         }
         if len(output.lrs) > 1:
             metrics.update({f"train/lr-group{i}": lr for i, lr in enumerate(output.lrs)})
-        data = self._trainer.data
-        retries = data.read_retries() if data is not None else None
         # Transient object-storage errors the data source retried, its loader workers included; this
         # rank's own (reducing over ranks would cost a collective per logging step).
         if retries is not None:

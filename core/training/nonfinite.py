@@ -35,17 +35,18 @@ import torch
 from unison.contract.outputs import NonFiniteError
 
 if TYPE_CHECKING:
+    from unison.contract.env import DistEnv
     from unison.training.stopping import StopAgreement
-    from unison.training.trainer import Trainer
 
 __all__ = ["NonFiniteCheck"]
 
 
 class NonFiniteCheck:
-    """The lagged ``raise`` decision of one fit (``control_group``: where the error's per-rank gather runs)."""
+    """The lagged ``raise`` decision of one fit in the world ``env`` (``control_group``: where the error's
+    per-rank gather runs)."""
 
-    def __init__(self, trainer: Trainer, stop: StopAgreement, control_group: Any) -> None:
-        self.trainer, self.stop, self.control_group = trainer, stop, control_group
+    def __init__(self, env: DistEnv, stop: StopAgreement, control_group: Any) -> None:
+        self.env, self.stop, self.control_group = env, stop, control_group
         self._host: torch.Tensor | None = None  # the pinned host copy of the flag (CUDA)
         #: ``(step, host flag, event, local losses, grad norm)`` of the recorded step, until resolved.
         self._pending: tuple[int, torch.Tensor, Any, torch.Tensor, torch.Tensor] | None = None
@@ -80,9 +81,7 @@ class NonFiniteCheck:
 
     def raise_nonfinite(self, step: int, local: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Raise on every rank, naming the first micro-batch and rank whose loss was non-finite."""
-        trainer = self.trainer
-        env = trainer.env
-        assert env is not None
+        env = self.env
         flags = [bool(torch.isfinite(v)) for v in local.cpu()]
         per_rank: list[Any] = [flags]
         if env.distributed and env.world_size > 1:

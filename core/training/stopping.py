@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from unison.contract.env import DistEnv
     from unison.launch.lifecycle import RunGuard
     from unison.training.trainer import Trainer
 
@@ -45,10 +46,12 @@ __all__ = ["StopAgreement"]
 
 
 class StopAgreement:
-    """One fit's stop agreement over ``control_group`` (the fit's CPU group; ``None``: the default group)."""
+    """One fit's stop agreement over ``control_group`` (the fit's CPU group; ``None``: the default group) in
+    the world ``env``; ``trainer`` holds ``should_stop`` (read, then set to what every rank agreed) and is
+    what a preemption's hooks receive."""
 
-    def __init__(self, trainer: Trainer, guard: RunGuard | None, control_group: Any) -> None:
-        self.trainer, self.guard, self.group = trainer, guard, control_group
+    def __init__(self, trainer: Trainer, guard: RunGuard | None, control_group: Any, env: DistEnv) -> None:
+        self.trainer, self.guard, self.group, self.env = trainer, guard, control_group, env
         #: The all-reduce started at the last boundary and its flags tensor, until waited for.
         self._pending: tuple[Any, torch.Tensor] | None = None
         #: Flags of the last waited all-reduce, until a boundary decides on them.
@@ -56,8 +59,7 @@ class StopAgreement:
 
     @property
     def collective(self) -> bool:
-        env = self.trainer.env
-        return env is not None and env.distributed and env.world_size > 1
+        return self.env.distributed and self.env.world_size > 1
 
     def collect(self) -> None:
         """Wait for the all-reduce started at the previous boundary (if one is in flight) and keep its flags.
