@@ -91,3 +91,28 @@ def test_a_configuration_error_on_one_rank_prints_only_the_message(jobs):
     report = jobs["config_rank1"].stderr
     assert "Traceback" not in report, report
     assert "error: max_step: unknown option (did you mean 'max_steps'?). Fix: remove or rename it" in report
+
+
+def test_an_error_record_cut_short_leaves_no_file_for_the_agent_to_misread(tmp_path, monkeypatch):
+    # torchrun's agent parses a failed worker's error file; one cut short (the worker killed mid-write after a
+    # peer died) made the agent fail on the JSON and end a job it should have restarted.
+    import json
+
+    from unison.launch import lifecycle
+
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    real_dump = json.dump
+
+    def cut_short(data, f):
+        f.write('{"message": {"mess')
+        f.flush()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", cut_short)
+    assert lifecycle.record_error(ValueError("first")) is False
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its partial copy
+    monkeypatch.setattr(json, "dump", real_dump)
+    assert lifecycle.record_error(ValueError("second")) is True
+    assert json.loads(path.read_text())["message"]["message"] == "ValueError: second"
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]

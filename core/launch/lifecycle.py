@@ -26,6 +26,7 @@ step, one step after the signal, and write one consistent checkpoint.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import os
@@ -265,10 +266,17 @@ def record_error(exc: BaseException) -> bool:
             },
         }
     }
+    # Whole or not at all: torchrun's agent parses the file of every failed worker, and one cut short (this
+    # worker killed mid-write by the agent's SIGTERM after a peer died) made the agent itself fail on
+    # the JSON, ending the job instead of restarting it. Written beside it, then renamed over it.
+    partial = f"{path}.{os.getpid()}.partial"
     try:
-        with open(path, "w") as f:
+        with open(partial, "w") as f:
             json.dump(data, f)
+        os.replace(partial, path)
     except OSError:  # reporting must never mask the real error
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
         return False
     _recorded = exc
     return True
