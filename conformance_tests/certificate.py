@@ -9,8 +9,6 @@ failed, and it withholds the certificate).
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import os
 import platform
 import socket
@@ -22,6 +20,7 @@ from typing import Any
 from unison.conformance.scenarios import SCENARIOS, SCENARIOS_BY_NAME
 from unison.conformance.suite import StrategyResult
 from unison.conformance.verdict import DECLARED_OUT, FAIL, INCONCLUSIVE, PASS, Verdict
+from unison.plugin.entry_points import installed_versions
 
 #: Packages whose versions the report names (read from the installed metadata, nothing imported).
 VERSIONED = ("unison", "torch", "pluggy", "deepspeed", "fairscale", "apex", "transformers")
@@ -47,12 +46,7 @@ def _git_revision() -> dict[str, Any] | None:
 
 def environment(world_size: int, alt_world_size: int) -> dict[str, Any]:
     """What the certificate was produced with: versions, revision, host, world sizes."""
-    versions = {}
-    for name in VERSIONED:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
+    versions = installed_versions(VERSIONED)
     versions["python"] = platform.python_version()
     import torch
 

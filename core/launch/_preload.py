@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 import torch.distributed  # noqa: F401
 
 import unison.plugin.manager  # noqa: F401

@@ -11,7 +11,7 @@
   conformance suite and the tests use it to run many scenarios in one process
   group. On any failure or timeout every process of the world is killed. The
   ranks are forked from multiprocessing's fork server, which imported torch,
-  unison and DeepSpeed (:mod:`unison.launch._preload`) once for the calling
+  unison's plugin system and DeepSpeed (:mod:`unison.launch._preload`) once for the calling
   process (a world starts in a tenth of a second, not the seconds each rank's
   own imports took); each rank runs with the caller's environment of that call
   and has run nothing of an earlier world.
