@@ -40,11 +40,16 @@ def test_describe_unknown_strategy_lists_names():
 
 
 def test_train_rejects_unknown_config_key_before_starting(tmp_path):
-    cfg = tmp_path / "bad.toml"
+    # A path longer than a line: the message keeps it whole on its line (a terminal wraps it, not unison).
+    deep = tmp_path / ("a-directory-with-a-long-name-" * 4) / "and-deeper"
+    deep.mkdir(parents=True)
+    cfg = deep / "bad.toml"
     cfg.write_text((ROOT / "examples" / "tinylm.toml").read_text().replace("max_steps", "max_stepz"))
     out = run("train", str(cfg), "--nproc", "2", timeout=60)
     assert out.returncode == 2
-    assert "trainer.max_stepz" in " ".join(out.stdout.split())
+    errors = _error_lines(out)
+    assert len(errors) == 1 and str(cfg) in errors[0], out.stdout + out.stderr
+    assert "trainer.max_stepz" in out.stdout
     assert "torch.distributed" not in out.stderr  # no worker was started
 
 

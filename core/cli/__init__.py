@@ -336,7 +336,8 @@ def _say(line: str) -> None:
     if messages.log_format() == "json":
         messages.say(line, file=sys.stdout)
     else:
-        console.print(line, highlight=False, markup=False)
+        # soft_wrap: no line breaks of rich's own (80 columns off a terminal) inside a path
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
 def _config_plugins(config: Any, base: Any, pm: PluginManager) -> list[Any]:
@@ -373,7 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         if messages.log_format() == "json":
             messages.say(f"error: {exc}", level="error")
         else:
-            console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False)
+            # soft_wrap: a path in the message stays whole however long (a terminal wraps it itself)
+            console.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from unison.checkpointing.storage import LocalStorage, open_storage
 
@@ -84,7 +85,7 @@ def inspect(location: str) -> None:
         try:
             m = Manifest.read(storage, target)
         except CheckpointError as exc:
-            console.print(f"{target.name}  [red]{exc}[/]", highlight=False)
+            console.print(f"{target.name}  [red]{escape(str(exc))}[/]", highlight=False, soft_wrap=True)
             continue
         mark = " (latest)" if target.name == pointer else ""
         console.print(
@@ -114,10 +115,12 @@ def verify_cmd(location: str) -> None:
             m = verify(storage, target)
         except (CheckpointError, FileNotFoundError) as exc:
             failed += 1
-            console.print(f"[red]FAIL[/] {exc}", highlight=False)
+            console.print(f"[red]FAIL[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             continue
         console.print(
-            f"[green]ok[/]   {target}: {len(m.files)} files, {_size(m.total_bytes)}, step {m.step}", highlight=False
+            f"[green]ok[/]   {escape(str(target))}: {len(m.files)} files, {_size(m.total_bytes)}, step {m.step}",
+            highlight=False,
+            soft_wrap=True,
         )
     if failed:
         sys.exit(1)
@@ -185,7 +188,7 @@ def export(location: str, out: Path, fmt: str, config_path: str | None, max_shar
 
             state = export_safetensors(path, out, storage)
     except CheckpointError as exc:
-        console.print(f"[red]FAIL[/] {exc}", highlight=False)
+        console.print(f"[red]FAIL[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(1)
     total = sum(t.numel() * t.element_size() for t in state.values())
     console.print(f"wrote {out}: {len(state)} tensors, {_size(total)}, from {path}", highlight=False, soft_wrap=True)
