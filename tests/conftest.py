@@ -3,7 +3,9 @@ test tiers, and a per-module time summary.
 
 Tiers: the README's test command (``-m "not full"``) is the quick tier; the modules in
 :data:`FULL_TIER` are the long tier that ``.ci/run`` runs as its own step (``-m full``). Every module
-is in exactly one tier; both together are the whole suite.
+is in exactly one tier; both together are the whole suite. Both tiers run in two test processes
+(pytest-xdist, ``-n 2 --dist loadfile``): every test of a module runs in the same process, so a module's
+fixtures (its shared worlds and reference runs) are built once.
 
 Trainers without a ``root_dir`` or loggers write their default metrics under ``$UNISON_RUNS_ROOT``:
 set here, before any test module builds its subprocess environment, to a directory removed at exit,
@@ -88,8 +90,9 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("seconds per test module (setup + call + teardown)")
     for module, seconds in _module_seconds.most_common(30):
         terminalreporter.write_line(f"{seconds:8.1f}  {module}")
-    terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}  total")
+    # Summed over the test processes: with two, the total is about twice the wall time printed below.
     wall = time.monotonic() - _session_started
+    terminalreporter.write_line(f"{sum(_module_seconds.values()):8.1f}  total ({wall:.0f} s wall)")
     if terminalreporter.config.getoption("markexpr") == "not full" and wall > BUDGET_S["quick tier"]:
         terminalreporter.write_line(
             f"WARNING: budget: the quick tier (the README's test command) took {wall:.0f} s, over its budget of "

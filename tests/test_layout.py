@@ -147,8 +147,13 @@ def test_every_long_tier_module_exists_and_ci_runs_both_tiers():
     assert sorted(m for m in FULL_TIER if not (tests / m).is_file()) == []
     ci = (ROOT / ".ci" / "run").read_text()
     assert "\nscripts/test 2>&1" in ci  # the README's test command: the quick tier
-    assert '-m pytest tests -p no:cacheprovider -m "not full"' in (ROOT / "scripts" / "test").read_text()
+    script = (ROOT / "scripts" / "test").read_text()
+    assert '-m pytest tests -p no:cacheprovider -m "not full"' in script
     assert "-m pytest tests -p no:cacheprovider -m full" in ci
+    # The README quotes the command scripts/test runs, as it runs it (two test processes, a file in one).
+    command = script.split("exec .venv/bin/python ", 1)[1].split(' "$@"', 1)[0]
+    assert f"`OMP_NUM_THREADS=1 .venv/bin/python {command}`" in " ".join((ROOT / "README.md").read_text().split())
+    assert "-n 2 --dist loadfile" in command and "-m full -n 2 --dist loadfile" in ci
 
 
 # --------------------------------------------------------------------------- #
