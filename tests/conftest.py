@@ -118,3 +118,22 @@ def aws_env(s3, monkeypatch):
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
     for name, value in s3.env().items():
         monkeypatch.setenv(name, value)
+
+
+@pytest.fixture(scope="session")
+def single_runs():
+    """The single-process reference runs of ``helpers.REFERENCE_RUNS`` by name, each trained on first use and
+    kept for the session (the test process): ``single_runs("fp32")``. Each call returns its own copy, so a
+    test that changes what it got leaves the next test's alone."""
+    import copy
+
+    import helpers
+
+    done: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in done:
+            done[name] = helpers.train("single", **helpers.REFERENCE_RUNS[name]())
+        return copy.deepcopy(done[name])
+
+    return get

@@ -10,7 +10,7 @@ import torch
 
 import unison
 
-from helpers import regression_data, train
+from helpers import overflow_data, regression_data, train
 
 
 def gradient_allreduces(accumulate: int, *, broken_no_sync: bool = False, steps: int = 3) -> int:
@@ -47,15 +47,6 @@ def gradient_allreduces(accumulate: int, *, broken_no_sync: bool = False, steps:
     from unison.conformance.profiling import records
 
     return sum(1 for r in records(prof) if r.name == "c10d::allreduce_" and not r.redispatched)
-
-
-def overflow_data() -> torch.utils.data.TensorDataset:
-    """Regression data where one sample's inputs overflow fp16 inside the model."""
-    data = regression_data()
-    x, y = data.tensors
-    x = x.clone()
-    x[3] = 7e4  # beyond fp16's max (65504) after the first Linear
-    return torch.utils.data.TensorDataset(x, y)
 
 
 class SlowFitEndOnRank0:

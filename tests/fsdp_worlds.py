@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import unison
 
-from helpers import mlp, regression_data, train
+from helpers import adamw, fit, mlp, overflow_data, regression_data, train
 
 
 class TiedMLP(torch.nn.Module):
@@ -59,15 +59,6 @@ def wide_mlp(d: int = 32, hidden: int = 1024) -> torch.nn.Module:
         torch.nn.Tanh(),
         torch.nn.Linear(hidden, 1),
     )
-
-
-def overflow_data() -> torch.utils.data.TensorDataset:
-    """Regression data where one sample's inputs overflow fp16 inside the model."""
-    data = regression_data()
-    x, y = data.tensors
-    x = x.clone()
-    x[3] = 7e4  # beyond fp16's max (65504) after the first Linear, on one rank only
-    return torch.utils.data.TensorDataset(x, y)
 
 
 class ReduceScatterCounter:
@@ -123,7 +114,7 @@ class ScaleRecorder:
 
 def _fit(strategy: str, *callbacks: Any, model: torch.nn.Module, data: Any, **settings: Any) -> unison.Trainer:
     trainer = unison.Trainer(strategy=strategy, callbacks=list(callbacks), **settings)
-    trainer.fit(model, data, loss_fn=torch.nn.functional.mse_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    fit(trainer, model=model, data=data, optimizer=adamw())
     return trainer
 
 

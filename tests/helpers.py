@@ -17,6 +17,14 @@ def regression_data(n: int = 512, d: int = 8, seed: int = 123) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def overflow_data() -> TensorDataset:
+    """:func:`regression_data` where one sample's inputs overflow fp16 inside the model (a skipped step)."""
+    x, y = regression_data().tensors
+    x = x.clone()
+    x[3] = 7e4  # beyond fp16's max (65504) after the first Linear
+    return TensorDataset(x, y)
+
+
 def mlp(d: int = 8, hidden: int = 32, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(
@@ -128,6 +136,36 @@ def train(
         "validation": recorder.validation,
         "monitored": monitored,
     }
+
+
+#: The single-process runs (:func:`train`'s keywords) that the backend modules compare their worlds with;
+#: ``tests/conftest.py``'s session fixture ``single_runs`` trains each once per test process.
+REFERENCE_RUNS: dict[str, Any] = {
+    "fp32": dict,
+    "bf16-mixed": lambda: {"precision": "bf16-mixed"},
+    "16-mixed": lambda: {"precision": "16-mixed"},
+    "bf16-true": lambda: {"precision": "bf16-true"},
+    "overflow": lambda: {"precision": "16-mixed", "data": overflow_data(), "max_steps": 8},
+}
+
+
+def sgd(lr: float = 0.05) -> Any:
+    return lambda params: torch.optim.SGD(params, lr=lr)
+
+
+def adamw(lr: float = 1e-2) -> Any:
+    return lambda params: torch.optim.AdamW(params, lr=lr)
+
+
+def fit(trainer: unison.Trainer, *, model: Any = None, data: Any = None, **kwargs: Any) -> unison.Progress:
+    """The tests' one fit: ``trainer.fit`` on :func:`mlp` and 64 samples of :func:`regression_data` unless
+    given, mean-squared error and SGD (lr 0.05) unless ``loss_fn`` / ``optimizer`` are given; every other
+    keyword goes to ``fit`` as is."""
+    kwargs.setdefault("loss_fn", torch.nn.functional.mse_loss)
+    kwargs.setdefault("optimizer", sgd())
+    return trainer.fit(
+        model if model is not None else mlp(), data if data is not None else regression_data(n=64), **kwargs
+    )
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -9,7 +9,7 @@ import torch
 
 import unison
 
-from helpers import regression_data, train
+from helpers import overflow_data, regression_data, train
 
 #: Schedules with two model chunks per rank (the mlp's 5 layers cut into 4 chunks).
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv_zero_bubble")
@@ -38,14 +38,6 @@ class MetricLog:
 
     def val_losses(self) -> list[tuple[int, float]]:
         return [(step, m["val/loss"]) for step, m in self.metrics if "val/loss" in m]
-
-
-def overflow_data() -> torch.utils.data.TensorDataset:
-    """Regression data where one sample's inputs overflow fp16 inside the first stage."""
-    x, y = regression_data().tensors
-    x = x.clone()
-    x[3] = 7e4  # beyond fp16's max (65504) after the first Linear
-    return torch.utils.data.TensorDataset(x, y)
 
 
 def batchnorm_model() -> torch.nn.Sequential:

@@ -32,6 +32,8 @@ from unison.checkpointing.nofollow import PlantedLinkError
 from unison.checkpointing.storage import LocalStorage
 from unison.cli import main
 
+from helpers import fit
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -69,11 +71,11 @@ def _fit(checkpoint_dir=None, root_dir=None, max_steps=2, ckpt_path=None):
         progress="off",
         loggers=False if root_dir is None else None,
     )
-    return trainer.fit(
-        storage_job.model,
-        storage_job.datasets()[0],
+    return fit(
+        trainer,
+        model=storage_job.model,
+        data=storage_job.datasets()[0],
         loss_fn=storage_job.loss,
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
         ckpt_path=ckpt_path,
     )
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
-import torch
 
 import unison
 from unison.checkpointing.checkpointer import Checkpointer
 
-from helpers import max_abs_diff, mlp, regression_data, train
+import helpers
+from helpers import adamw, max_abs_diff, regression_data, train
 
 
 class CrashOnSecondSave:
@@ -27,14 +29,8 @@ class CrashOnSecondSave:
             raise RuntimeError("disk full (simulated in a real save)")
 
 
-def fit(trainer, **kw):
-    return trainer.fit(
-        mlp(),
-        regression_data(),
-        loss_fn=torch.nn.functional.mse_loss,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
-        **kw,
-    )
+#: helpers.fit on 512 samples with AdamW
+fit = functools.partial(helpers.fit, data=regression_data(), optimizer=adamw())
 
 
 def test_crash_during_save_keeps_previous_checkpoint_latest(tmp_path):

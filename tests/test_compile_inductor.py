@@ -12,6 +12,7 @@ from torch._dynamo.utils import counters
 
 import unison
 
+import helpers
 from helpers import max_abs_diff, mlp, regression_data
 
 pytestmark = pytest.mark.timeout(600)
@@ -21,7 +22,7 @@ def fit(**options) -> dict[str, torch.Tensor]:
     trainer = unison.Trainer(
         max_steps=6, global_batch_size=32, accumulate_grad_batches=2, progress="off", loggers=False, **options
     )
-    trainer.fit(mlp, regression_data(), loss_fn=torch.nn.functional.mse_loss, optimizer=torch.optim.AdamW)
+    helpers.fit(trainer, model=mlp, data=regression_data(), optimizer=torch.optim.AdamW)
     return trainer.full_state_dict()
 
 

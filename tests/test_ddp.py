@@ -8,7 +8,7 @@ import pytest
 
 from unison.launch.torchrun import spawn
 
-from ddp_worlds import ddp_scenarios, overflow_data
+from ddp_worlds import ddp_scenarios
 from helpers import max_abs_diff, regression_data, train
 
 pytestmark = pytest.mark.distributed
@@ -25,12 +25,10 @@ def world() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(single_runs) -> dict:
     return {
         "fp32": train("single", val=regression_data(n=51, seed=7), val_every_n_steps=10),
-        "bf16-mixed": train("single", precision="bf16-mixed"),
-        "16-mixed": train("single", precision="16-mixed"),
-        "overflow": train("single", precision="16-mixed", data=overflow_data(), global_batch_size=32, max_steps=8),
+        **{name: single_runs(name) for name in ("bf16-mixed", "16-mixed", "overflow")},
     }
 
 

@@ -53,8 +53,8 @@ def world(request, single_checkpoint, tmp_path_factory) -> tuple[str, list[dict]
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    return {"fp32": train("single"), "bf16-mixed": train("single", precision="bf16-mixed")}
+def reference(single_runs) -> dict:
+    return {name: single_runs(name) for name in ("fp32", "bf16-mixed")}
 
 
 # --------------------------------------------------------------------------- #

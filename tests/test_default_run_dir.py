@@ -8,26 +8,19 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import unison
 from unison.plugins.loggers import read_csv, read_jsonl
 from unison.training.runs import DEFAULT_ROOT_ENV, run_name
 
-from helpers import mlp, regression_data
+from helpers import fit
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def _fit(steps: int, ckpt_path=None, **settings):
     trainer = unison.Trainer(strategy="single", global_batch_size=16, max_steps=steps, **settings)
-    result = trainer.fit(
-        mlp(),
-        regression_data(n=64),
-        loss_fn=torch.nn.functional.mse_loss,
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
-        ckpt_path=ckpt_path,
-    )
+    result = fit(trainer, ckpt_path=ckpt_path)
     return trainer, result
 
 

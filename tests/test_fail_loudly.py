@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 import unison
 from unison.checkpointing.checkpointer import Checkpointer
 
-from helpers import mlp, regression_data
+from helpers import fit, mlp, regression_data
 
 
 def poisoned_data(n: int = 64, index: int = 40, value: float = math.nan) -> TensorDataset:
@@ -24,13 +24,6 @@ def poisoned_data(n: int = 64, index: int = 40, value: float = math.nan) -> Tens
     x = x.clone()
     x[index] = value
     return TensorDataset(x, y)
-
-
-def _fit(trainer, data=None, model=None, **kwargs):
-    args = {"loss_fn": torch.nn.functional.mse_loss, "optimizer": lambda p: torch.optim.SGD(p, lr=0.05), **kwargs}
-    return trainer.fit(
-        model if model is not None else mlp(), data if data is not None else regression_data(n=64), **args
-    )
 
 
 def _all_finite(path: Path) -> bool:
@@ -64,7 +57,7 @@ def test_a_non_finite_loss_stops_the_run_at_that_step_without_a_bad_checkpoint(t
     with pytest.raises(
         unison.NonFiniteError, match=r"step 2: the loss was non-finite first at micro-batch 1 on rank 0"
     ):
-        _fit(trainer, poisoned_data(index=40, value=value))  # step 2 = samples 32..47, micro-batch 1 = 40..47
+        fit(trainer, data=poisoned_data(index=40, value=value))  # step 2 = samples 32..47, micro-batch 1 = 40..47
     # The check is read one step late (no host sync per step): step 2's update ran in memory and is counted,
     # and the error came before its checkpoint.
     assert trainer.progress.global_step == 3 and trainer.progress.optimizer_steps == 3
@@ -95,16 +88,16 @@ def test_a_non_finite_step_that_neither_logs_nor_saves_raises_before_anything_ke
     )
     step = index // 16
     with pytest.raises(unison.NonFiniteError, match=rf"step {step}: the loss was non-finite first at micro-batch 0"):
-        _fit(trainer, poisoned_data(index=index))
+        fit(trainer, data=poisoned_data(index=index))
     assert trainer.progress.global_step == step + 1 and seen == list(range(min(step + 2, max_steps)))
     assert list(tmp_path.glob("step-*")) == []  # the end-of-fit save never ran
 
 
 def test_skip_policy_skips_and_counts_the_step_and_the_scheduler():
     trainer = unison.Trainer(global_batch_size=16, max_steps=4, shuffle=False, nonfinite="skip")
-    progress = _fit(
+    progress = fit(
         trainer,
-        poisoned_data(index=20),
+        data=poisoned_data(index=20),
         lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5),
     )
     assert [h.skipped for h in progress.history] == [False, True, False, False]
@@ -114,7 +107,7 @@ def test_skip_policy_skips_and_counts_the_step_and_the_scheduler():
 
 def test_continue_policy_trains_on_as_asked():
     trainer = unison.Trainer(global_batch_size=16, max_steps=2, shuffle=False, nonfinite="continue")
-    _fit(trainer, poisoned_data(index=0))
+    fit(trainer, data=poisoned_data(index=0))
     assert not all(torch.isfinite(t).all() for t in trainer.full_state_dict().values())
 
 
@@ -124,7 +117,7 @@ def test_fp16_skips_overflows_but_not_forever():
     data = TensorDataset(torch.full_like(x, math.nan), y)
     trainer = unison.Trainer(global_batch_size=16, max_steps=50, precision="16-mixed", max_consecutive_skips=5)
     with pytest.raises(unison.NonFiniteError, match="step 4: 5 optimizer steps in a row were skipped"):
-        _fit(trainer, data)
+        fit(trainer, data=data)
     assert trainer.progress.optimizer_steps == 0 and trainer.progress.skipped_steps == 5
 
 
@@ -136,7 +129,7 @@ def test_fp16_skips_overflows_but_not_forever():
 def _refused(option_match: str, trainer_kwargs: dict | None = None, **fit_kwargs):
     trainer = unison.Trainer(**{"global_batch_size": 16, "max_steps": 2, **(trainer_kwargs or {})})
     with pytest.raises(unison.ConfigurationError, match=option_match):
-        _fit(trainer, **fit_kwargs)
+        fit(trainer, **fit_kwargs)
     assert not torch.distributed.is_initialized() and not trainer.setup_started
 
 
@@ -175,7 +168,7 @@ def test_a_model_without_trainable_parameters():
 def test_a_loss_that_is_not_a_scalar_tensor(loss):
     trainer = unison.Trainer(global_batch_size=16, max_steps=2)
     with pytest.raises(unison.ConfigurationError, match=r"loss_fn returned .*scalar tensor"):
-        _fit(trainer, loss_fn=loss)
+        fit(trainer, loss_fn=loss)
 
 
 @pytest.mark.parametrize(
@@ -202,7 +195,7 @@ def test_an_unwritable_checkpoint_dir_is_refused_before_training(tmp_path):
     blocker.write_text("not a directory")
     trainer = unison.Trainer(global_batch_size=16, max_steps=2, checkpoint_dir=str(blocker / "ckpt"))
     with pytest.raises(unison.ConfigurationError, match=r"checkpoint_dir.*cannot be written") as info:
-        _fit(trainer)
+        fit(trainer)
     assert not trainer.setup_started and "choose a directory" in str(info.value)
 
 
@@ -214,21 +207,21 @@ def test_a_ckpt_path_pointing_nowhere_is_refused_before_setup(tmp_path, where):
     for checkpoint_dir in (None, str(tmp_path / "ckpt")):
         trainer = unison.Trainer(global_batch_size=16, max_steps=2, checkpoint_dir=checkpoint_dir)
         with pytest.raises(unison.ConfigurationError, match=r"ckpt_path.*(does not exist|no manifest\.json)"):
-            _fit(trainer, ckpt_path=str(path))
+            fit(trainer, ckpt_path=str(path))
         assert not trainer.setup_started
 
 
 @pytest.mark.parametrize("how", ["path", "auto", "last"])
 def test_max_steps_below_the_resumed_step_is_refused_before_setup(tmp_path, how):
-    _fit(unison.Trainer(global_batch_size=16, max_steps=3, checkpoint_dir=str(tmp_path)))
+    fit(unison.Trainer(global_batch_size=16, max_steps=3, checkpoint_dir=str(tmp_path)))
     ckpt_path = str(tmp_path / "step-00000003") if how == "path" else how
     trainer = unison.Trainer(global_batch_size=16, max_steps=2, checkpoint_dir=str(tmp_path))
     with pytest.raises(unison.ConfigurationError, match=r"max_steps.*resumes at step 3, beyond max_steps=2"):
-        _fit(trainer, ckpt_path=ckpt_path)
+        fit(trainer, ckpt_path=ckpt_path)
     assert not trainer.setup_started
     # at max_steps it resumes and has nothing left to do
     done = unison.Trainer(global_batch_size=16, max_steps=3, checkpoint_dir=str(tmp_path))
-    assert _fit(done, ckpt_path=ckpt_path).global_step == 3
+    assert fit(done, ckpt_path=ckpt_path).global_step == 3
 
 
 def test_cuda_on_a_build_without_cuda():

@@ -11,13 +11,15 @@ trainer's attributes at every hook.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
 import unison
 
-from helpers import mlp, regression_data
+import helpers
+from helpers import adamw, mlp, regression_data
 
 
 def attributes(trainer: unison.Trainer) -> dict[str, int]:
@@ -87,16 +89,15 @@ def make_trainer(tmp_path, watcher: Watcher, max_steps: int) -> unison.Trainer:
     )
 
 
-def fit(trainer: unison.Trainer, **kwargs) -> unison.Progress:
-    return trainer.fit(
-        lambda: mlp(),
-        regression_data(128),
-        loss_fn=torch.nn.functional.mse_loss,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
-        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0),
-        val_dataset=regression_data(32, seed=7),
-        **kwargs,
-    )
+#: helpers.fit with the model built by the fit (a factory), a scheduler and validation
+fit = functools.partial(
+    helpers.fit,
+    model=lambda: mlp(),
+    data=regression_data(128),
+    optimizer=adamw(),
+    lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0),
+    val_dataset=regression_data(32, seed=7),
+)
 
 
 def changed(before: dict[str, int], after: dict[str, int]) -> set[str]:

@@ -15,7 +15,7 @@ import unison
 from unison.contract.ownership import PrecisionOwner, StateDictKind
 from unison.launch.torchrun import spawn
 
-from fsdp_worlds import AttentionNet, TiedMLP, fsdp_scenarios, overflow_data
+from fsdp_worlds import AttentionNet, TiedMLP, fsdp_scenarios
 from helpers import max_abs_diff, mlp, regression_data, train
 
 pytestmark = pytest.mark.distributed
@@ -29,14 +29,10 @@ BF16_TRUE_TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(single_runs) -> dict:
     return {
-        "fp32": train("single"),
-        "bf16-mixed": train("single", precision="bf16-mixed"),
-        "16-mixed": train("single", precision="16-mixed"),
-        "overflow": train("single", precision="16-mixed", data=overflow_data(), max_steps=8),
+        **{name: single_runs(name) for name in ("fp32", "bf16-mixed", "16-mixed", "overflow", "bf16-true")},
         "tied": train("single", model=TiedMLP(), max_steps=10),
-        "bf16-true": train("single", precision="bf16-true"),
         "tied-bf16": train("single", model=TiedMLP(), max_steps=10, precision="bf16-mixed"),
         "attention": train("single", model=AttentionNet(), max_steps=10, record=False),
     }

@@ -10,7 +10,7 @@ import torch
 import unison
 from unison.launch.torchrun import spawn
 
-from helpers import assert_matches_single, max_abs_diff, mlp, regression_data, train
+from helpers import assert_matches_single, fit, max_abs_diff, mlp, regression_data, train
 from hsdp_worlds import zero3_from
 from tp_worlds import fsdp_tp_world, planned_mlp
 
@@ -87,7 +87,7 @@ def world_of_4(monkeypatch):
 
 def _fit(model: torch.nn.Module, **options) -> None:
     trainer = unison.Trainer(max_steps=1, strategy="fsdp_tp", strategy_options=options, global_batch_size=8)
-    trainer.fit(model, regression_data(), loss_fn=torch.nn.functional.mse_loss, optimizer=torch.optim.SGD)
+    fit(trainer, model=model, data=regression_data(), optimizer=torch.optim.SGD)
 
 
 def test_a_model_without_a_plan_is_refused_before_any_process_group(world_of_4):

@@ -25,8 +25,8 @@ NORM_REL = 1e-6
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
-    return train("single")
+def reference(single_runs) -> dict:
+    return single_runs("fp32")
 
 
 @pytest.fixture(scope="module")

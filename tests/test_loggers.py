@@ -27,6 +27,8 @@ from unison.plugins.loggers import (
 )
 from unison.plugins.loggers.tensorboard_logger import read_text
 
+import helpers
+from helpers import adamw
 from observability_worlds import (
     MetricsRecorder,
     TokenModel,
@@ -51,11 +53,13 @@ class LogsUserMetrics:
 
 
 def fit(trainer: unison.Trainer, steps_val: bool = True) -> None:
-    trainer.fit(
-        TokenModel(),
-        token_data(),
+    """helpers.fit on the token model (cross-entropy, AdamW), validating on held-out tokens unless not ``steps_val``."""
+    helpers.fit(
+        trainer,
+        model=TokenModel(),
+        data=token_data(),
         loss_fn=torch.nn.functional.cross_entropy,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        optimizer=adamw(),
         val_dataset=token_data(n=40, seed=9) if steps_val else None,
     )
 

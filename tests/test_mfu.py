@@ -10,6 +10,7 @@ from unison._upstream.torch import flop_counter
 from unison.plugins.callbacks import Throughput
 from unison.plugins.callbacks.mfu import PEAK_TFLOPS, known_peak_flops, measured_peak_flops
 
+import helpers
 from helpers import mlp, regression_data
 
 pytestmark = pytest.mark.timeout(120)
@@ -25,9 +26,7 @@ def fit(throughput: Throughput) -> unison.Trainer:
         loggers=False,
         callbacks=[throughput],
     )
-    trainer.fit(
-        mlp, regression_data(), loss_fn=torch.nn.functional.mse_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.05)
-    )
+    helpers.fit(trainer, model=mlp, data=regression_data())
     return trainer
 
 

@@ -5,6 +5,7 @@ On real gloo worlds of 2 (2 stages) and 4 (2 stages x 2 replicas).
 
 from __future__ import annotations
 
+import functools
 import math
 import shutil
 from pathlib import Path
@@ -17,11 +18,11 @@ from unison.errors import ConfigurationError
 from unison.launch.torchrun import spawn
 from unison.strategies.pipeline import balance_by_parameters
 
-from helpers import max_abs_diff, mlp, regression_data, train
+import helpers
+from helpers import adamw, max_abs_diff, mlp, regression_data, train
 from pipeline_worlds import (
     MULTI_CHUNK_SCHEDULES,
     batchnorm_run,
-    mixed_precision_runs,
     pipeline_world_scenarios,
     with_validation,
 )
@@ -43,11 +44,12 @@ FP16_TOL = 2e-3
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(single_runs) -> dict:
     return {
-        "fp32": train("single"),
+        "fp32": single_runs("fp32"),
         "val": with_validation("single"),
-        **mixed_precision_runs("single"),
+        # the same runs as pipeline_worlds.mixed_precision_runs("single")
+        **{name: single_runs(name) for name in ("bf16-mixed", "bf16-true", "overflow")},
         "batchnorm": batchnorm_run("single"),
     }
 
@@ -193,13 +195,8 @@ def test_mixed_precision(world, reference):
 # --------------------------------------------------------------------------- #
 # Bad input: rejected before any process group starts
 # --------------------------------------------------------------------------- #
-def _fit(trainer: unison.Trainer, model: torch.nn.Module) -> None:
-    trainer.fit(
-        model,
-        regression_data(),
-        loss_fn=torch.nn.functional.mse_loss,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
-    )
+#: helpers.fit on 512 samples with AdamW
+fit = functools.partial(helpers.fit, data=regression_data(), optimizer=adamw())
 
 
 class NotSequential(torch.nn.Module):
@@ -226,7 +223,7 @@ def test_rejects_non_sequential_model(world_of):
     world_of(2)
     trainer = unison.Trainer(max_steps=1, strategy="pipeline", global_batch_size=32, accumulate_grad_batches=4)
     with pytest.raises(ConfigurationError, match=r"nn\.Sequential"):
-        _fit(trainer, NotSequential())
+        fit(trainer, model=NotSequential())
     assert not torch.distributed.is_initialized()
 
 
@@ -236,7 +233,7 @@ def test_rejects_more_stages_than_layers(world_of):
         max_steps=1, strategy="pipeline", strategy_options={"stages": 8}, accumulate_grad_batches=8
     )
     with pytest.raises(ConfigurationError, match="stages") as err:
-        _fit(trainer, mlp())  # 5 layers
+        fit(trainer, model=mlp())  # 5 layers
     assert "5" in str(err.value)
     assert not torch.distributed.is_initialized()
 
@@ -245,7 +242,7 @@ def test_rejects_balance_not_summing_to_layers(world_of):
     world_of(2)
     trainer = unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"balance": [2, 2]})
     with pytest.raises(ConfigurationError, match="balance"):
-        _fit(trainer, mlp())
+        fit(trainer, model=mlp())
     with pytest.raises(ConfigurationError, match="balance"):
         unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"balance": [5]})  # one count for two stages
     assert not torch.distributed.is_initialized()
@@ -259,7 +256,7 @@ def test_rejects_tied_weights_across_stages(world_of):
     model[4].weight = model[2].weight  # tied, and the balance puts them on different stages
     trainer = unison.Trainer(max_steps=1, strategy="pipeline", strategy_options={"balance": [3, 3]})
     with pytest.raises(ConfigurationError, match="tied"):
-        _fit(trainer, model)
+        fit(trainer, model=model)
 
 
 def test_rejects_world_size_not_multiple_of_stages(world_of):
@@ -305,7 +302,7 @@ def test_rejects_unknown_schedule_and_bad_chunk_counts(world_of):
         max_steps=1, strategy="pipeline", strategy_options={"schedule": "interleaved_1f1b", "stages_per_rank": 3}
     )
     with pytest.raises(ConfigurationError, match="6 model chunks"):
-        _fit(trainer, mlp())
+        fit(trainer, model=mlp())
     # 5 micro-batches over 2 stages run in 2 rounds, which 5 does not divide
     with pytest.raises(ConfigurationError, match="rounds"):
         unison.Trainer(
@@ -335,7 +332,7 @@ def test_deepspeed_pipeline_declares_fp32_only(world_of):
     with pytest.raises(ConfigurationError, match="does not support precision"):
         unison.Trainer(max_steps=1, strategy="deepspeed_pipeline", precision="16-mixed")
     with pytest.raises(ConfigurationError, match=r"nn\.Sequential"):
-        _fit(unison.Trainer(max_steps=1, strategy="deepspeed_pipeline"), NotSequential())
+        fit(unison.Trainer(max_steps=1, strategy="deepspeed_pipeline"), model=NotSequential())
     world_of(3)
     with pytest.raises(ConfigurationError, match="world size 3 is not a multiple of 2"):
         unison.Trainer(max_steps=1, strategy="deepspeed_pipeline")

@@ -24,7 +24,7 @@ from unison.plugin import hookspecs
 from unison.plugin.registry import StrategySpec
 from unison.strategies.single import SingleStrategy
 
-from helpers import mlp, regression_data
+from helpers import fit, mlp, regression_data, sgd
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,15 +37,6 @@ class LateStrategies:
         return [StrategySpec(name="late", factory=SingleStrategy, description="registered after the first lookup")]
 
 
-def _fit(trainer: unison.Trainer) -> unison.Progress:
-    return trainer.fit(
-        mlp(),
-        regression_data(64),
-        loss_fn=torch.nn.functional.mse_loss,
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.01),
-    )
-
-
 # --------------------------------------------------------------------------- #
 # Registries follow registration
 # --------------------------------------------------------------------------- #
@@ -56,7 +47,7 @@ def test_a_plugin_registered_after_the_first_lookup_is_found_and_trains():
     pm.register(plugin)
     assert "late" in pm.strategies.names()
     trainer = unison.Trainer(strategy="late", max_steps=2, global_batch_size=8, plugin_manager=pm)
-    assert _fit(trainer).optimizer_steps == 2
+    assert fit(trainer, optimizer=sgd(0.01)).optimizer_steps == 2
     pm.unregister(plugin)
     with pytest.raises(unison.UnknownStrategyError, match="unknown strategy 'late'"):
         pm.strategies.create("late")
@@ -347,7 +338,7 @@ def test_documented_strategy_plugin_registers_and_trains(tmp_path):
         checkpoint_dir=str(tmp_path),
         plugin_manager=pm,
     )
-    progress = _fit(trainer)
+    progress = fit(trainer, optimizer=sgd(0.01))
     assert progress.optimizer_steps == 3 and (tmp_path / "step-00000003").is_dir()
     with pytest.raises(unison.ConfigurationError, match="why, and what to use instead"):
         unison.Trainer(strategy="mine", max_steps=1, plugin_manager=pm).fit(

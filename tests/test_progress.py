@@ -21,6 +21,8 @@ from rich.console import Console
 import unison
 from unison.plugins.progress import ProgressBar
 
+import helpers
+from helpers import adamw
 from observability_worlds import TokenModel, token_data
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,11 +41,13 @@ class Slow:
 
 
 def fit(trainer: unison.Trainer, steps_val: bool = True) -> None:
-    trainer.fit(
-        TokenModel(),
-        token_data(),
+    """helpers.fit on the token model (cross-entropy, AdamW), validating on held-out tokens unless not ``steps_val``."""
+    helpers.fit(
+        trainer,
+        model=TokenModel(),
+        data=token_data(),
         loss_fn=torch.nn.functional.cross_entropy,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
+        optimizer=adamw(),
         val_dataset=token_data(n=64, seed=3) if steps_val else None,
     )
 

@@ -14,7 +14,7 @@ import unison
 from unison.plugins.loggers import read_csv, read_jsonl
 from unison.training.runs import new_version
 
-from helpers import mlp, regression_data
+from helpers import fit, mlp, regression_data
 
 
 def _claim(root: str, queue) -> None:
@@ -44,14 +44,7 @@ def _fit(root: Path, max_steps: int, ckpt_path=None, progress="off", **settings)
         checkpoint_every_n_steps=2,
         **settings,
     )
-    result = trainer.fit(
-        mlp(),
-        regression_data(n=64),
-        loss_fn=torch.nn.functional.mse_loss,
-        optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
-        val_dataset=regression_data(n=32, seed=1),
-        ckpt_path=ckpt_path,
-    )
+    result = fit(trainer, val_dataset=regression_data(n=32, seed=1), ckpt_path=ckpt_path)
     return trainer, result
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import socket
 
 import pytest
-import torch
 
 import unison
 
-from helpers import mlp, regression_data
+from helpers import fit, mlp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,13 +32,7 @@ def _fit(tmp_path, capsys, *, progress="plain", ckpt_path=None, strategy="ddp", 
         checkpoint_every_n_steps=2,
         progress=progress,
     )
-    trainer.fit(
-        build,
-        regression_data(64),
-        loss_fn=torch.nn.functional.mse_loss,
-        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05),
-        ckpt_path=ckpt_path,
-    )
+    fit(trainer, model=build, ckpt_path=ckpt_path)
     return seen_when_building, capsys.readouterr().err
 
 

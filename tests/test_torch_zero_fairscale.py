@@ -22,7 +22,7 @@ from unison.launch.torchrun import spawn
 from unison.strategies._sharded_optimizer import OptimizerRecipe
 
 from helpers import max_abs_diff, regression_data, train
-from zero_fairscale_worlds import fairscale_oss_world, fairscale_sdp_world, overflow_data, torch_zero_world
+from zero_fairscale_worlds import fairscale_oss_world, fairscale_sdp_world, torch_zero_world
 
 pytestmark = pytest.mark.distributed
 
@@ -58,13 +58,10 @@ def world(strategy) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict:
+def reference(single_runs) -> dict:
     return {
-        "fp32": train("single"),
+        **{name: single_runs(name) for name in ("fp32", "bf16-mixed", "16-mixed", "overflow")},
         "val": train("single", max_steps=4, val=regression_data(n=72, seed=5), val_every_n_steps=2),
-        "bf16-mixed": train("single", precision="bf16-mixed"),
-        "16-mixed": train("single", precision="16-mixed"),
-        "overflow": train("single", precision="16-mixed", data=overflow_data(), max_steps=8),
     }
 
 

@@ -14,7 +14,7 @@ import torch
 
 import unison
 
-from helpers import mlp, regression_data, train
+from helpers import mlp, overflow_data, regression_data, train
 
 
 def _shared_tmpdir(prefix: str) -> str:
@@ -50,14 +50,6 @@ def footprint(strategy: str) -> dict[str, int]:
         optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
     )
     return probe.footprint
-
-
-def overflow_data() -> torch.utils.data.TensorDataset:
-    """Regression data where one sample overflows fp16 inside the model (a skipped step)."""
-    x, y = regression_data().tensors
-    x = x.clone()
-    x[3] = 7e4  # beyond fp16's max (65504) after the first Linear
-    return torch.utils.data.TensorDataset(x, y)
 
 
 def precision_runs(strategy: str, precisions: tuple[str, ...]) -> dict[str, Any]:
