@@ -75,6 +75,9 @@ class TrainLoop:
     ) -> None:
         self.trainer = trainer
         self.plan, self.settings, self.strategy, self.data = plan, plan.settings, plan.strategy, plan.data
+        #: The strategy's declaration, read once for the fit: a strategy may build its ``ownership`` afresh at each
+        #: read (a property), which costs more than a step's own bookkeeping on a millisecond step.
+        self.ownership = self.strategy.ownership
         self.precision, self.lr_scheduler, self.env = precision, lr_scheduler, env
         self.validator = validator
         self.checkpoints = checkpoints
@@ -208,7 +211,7 @@ class TrainLoop:
         total = items.sum()
         mean = total < 0
         micro = torch.where(mean, sums / replicas, sums / items.clamp(min=1))
-        numerator = self.strategy.ownership.normalisation.gradient_factor_numerator(len(sums), replicas)
+        numerator = self.ownership.normalisation.gradient_factor_numerator(len(sums), replicas)
         one = torch.ones((), device=total.device)
         self.strategy.scale_gradients(torch.where(mean, one, numerator / total.clamp(min=1)))
         if self.data.counts_tokens_by_default:
@@ -240,13 +243,13 @@ class TrainLoop:
         pair is backpropagated the same way (its sum), and scaled once after
         the last micro-step (:meth:`train_step`).
         """
-        accumulation = self.strategy.ownership.grad_accumulation
+        accumulation = self.ownership.grad_accumulation
         strategy, precision = self.strategy, self.precision
         assert precision is not None
         if accumulation.owner is AccumulationOwner.SCHEDULE:
             pairs = [tuple(b) for b in micro_batches]
             loss_fn = self.plan.loss_fn
-            if self.strategy.ownership.refusal(Feature.ITEM_WEIGHTED_LOSS) is not None:
+            if self.ownership.refusal(Feature.ITEM_WEIGHTED_LOSS) is not None:
                 loss_fn = _RefusePairs(loss_fn, self._refuse_pairs)  # the schedule could not pass a pair through
             RECORDER.enter("forward_backward (pipeline schedule)", None)  # for a stall report: assignments only
             out = strategy.forward_backward(pairs, loss_fn, precision)  # type: ignore[attr-defined]
@@ -303,7 +306,7 @@ class TrainLoop:
 
     def _refuse_pairs(self) -> None:
         """A pair for a strategy that refuses them: the same error on every rank, at the first micro-step."""
-        reason = self.strategy.ownership.refusal(Feature.ITEM_WEIGHTED_LOSS)
+        reason = self.ownership.refusal(Feature.ITEM_WEIGHTED_LOSS)
         if reason is not None:
             raise ConfigurationError(
                 "loss_fn/training_step",
