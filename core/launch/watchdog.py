@@ -62,7 +62,11 @@ _RUNNING, _DONE = "running", "done"
 
 #: How long the peer that continued a stopped store host waits for its heartbeat, and how long that host,
 #: having found itself frozen, keeps its store up for the peer to read it.
-FRESH_WAIT_S, HOST_LINGER_S = 3.0, 1.5
+#: How long a peer waits for a woken store host's record of where it froze; how long that host waits at most,
+#: once it has reported, for every peer to report too (each says so in the store) before it exits and its
+#: store goes with it. A fixed wait raced a peer slowed by a loaded machine: the host left first, the
+#: launcher stopped the peer, and the peer's report was never printed.
+FRESH_WAIT_S, HOST_LINGER_S = 3.0, 8.0
 
 
 class StallError(UnisonError):
@@ -222,6 +226,8 @@ class Watchdog:
         self.report: str | None = None
         self._stoppable: list[tuple[int, str | None]] = []
         self._linger = 0.0
+        #: This rank reported the store's host as stalled: woken, that host waits for this rank's report.
+        self._woke_host = False
         self._own_store = False
         self._beat_count = 0
         self._stop = threading.Event()
@@ -296,6 +302,10 @@ class Watchdog:
     def _woke_key(self, rank: int) -> str:
         """Where a frozen store host publishes where it froze, once, as it wakes."""
         return f"{self.prefix}/{rank}/woke"
+
+    def _reported_key(self, rank: int) -> str:
+        """Set by a rank once its stall report is printed, for a lingering store host."""
+        return f"{self.prefix}/{rank}/reported"
 
     def _publish(self, state: str, at: tuple[tuple[int, str], Any] | None = None, key: str | None = None) -> None:
         """Publish this rank's record: where it is now, or ``at`` (a position and last collective) if given;
@@ -394,6 +404,8 @@ class Watchdog:
             f"{os.environ.get('MASTER_PORT')}) has not answered for {silent:.1f} s"
         )
         if host_rank is not None:
+            # Once awake (continued by this rank or another), it lingers until this rank's report is out.
+            self._woke_host = True
             with self._lock:
                 self._stoppable = self._stopped_here(detector, [host_rank])
             if self.continue_stopped():
@@ -406,9 +418,9 @@ class Watchdog:
             return report + "; " + self._positions(detector, others)
 
     def _fresh_record(self, rank: int) -> dict[str, Any] | None:
-        """Where ``rank`` froze, as it publishes on waking after it was continued (under its woke key, and
-        lingers :data:`HOST_LINGER_S` for it to be read); failing that within ``FRESH_WAIT_S``, its latest
-        heartbeat newer than the last one seen; ``None`` if neither comes.
+        """Where ``rank`` froze, as it publishes on waking after it was continued (under its woke key; it then
+        lingers until every rank has reported, at most :data:`HOST_LINGER_S`); failing that within
+        ``FRESH_WAIT_S``, its latest heartbeat newer than the last one seen; ``None`` if neither comes.
 
         The heartbeat key alone would race: the first answer of a woken store can be a beat published
         just before the freeze that this rank had not read yet, or one published after the wake."""
@@ -507,11 +519,30 @@ class Watchdog:
 
         record_error(StallError(report))
         self.continue_stopped()
-        if self._linger:  # the store's host: its peers read where it froze before the store goes
-            time.sleep(self._linger)
+        if self._linger:  # the store's host: its peers read where it froze, and report, before the store goes
+            self._await_reports(self._linger)
+        else:
+            self._acknowledge()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(EXIT_STALLED)
+
+    def _acknowledge(self) -> None:
+        """Tell a lingering store host that this rank's report is out (it may exit now)."""
+        if not self._woke_host:
+            return  # nobody waits for it: no store round trip
+        with contextlib.suppress(Exception):  # the store may be gone already
+            self.store.set(self._reported_key(self.rank), "1")
+
+    def _await_reports(self, most: float) -> None:
+        """The woken store host: wait until every other rank has reported, or ``most`` seconds."""
+        keys = [self._reported_key(r) for r in range(self.world_size) if r != self.rank]
+        deadline = time.monotonic() + most
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if self.store.check(keys):
+                    return
+            time.sleep(0.05)
 
 
 def dump_nccl_trace(rank: int) -> str | None:
