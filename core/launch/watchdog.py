@@ -60,8 +60,6 @@ DEFAULT_STALL_TIMEOUT_S = 300.0
 
 _RUNNING, _DONE = "running", "done"
 
-#: How long the peer that continued a stopped store host waits for its heartbeat, and how long that host,
-#: having found itself frozen, keeps its store up for the peer to read it.
 #: How long a peer waits for a woken store host's record of where it froze; how long that host waits at most,
 #: once it has reported, for every peer to report too (each says so in the store) before it exits and its
 #: store goes with it. A fixed wait raced a peer slowed by a loaded machine: the host left first, the
