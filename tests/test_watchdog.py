@@ -176,6 +176,49 @@ def test_a_woken_store_host_is_reported_where_it_froze_not_by_a_stale_or_later_b
     assert (record["step"], record["phase"]) == (6, "forward_backward")
 
 
+FROZEN_THEN_ENDING = """
+import json, os, signal, sys, time
+import torch.distributed as dist
+from unison.launch.watchdog import Watchdog
+store = dist.HashStore()
+# Rank 1 has finished: it is never blamed, so only this process's own freeze can be found.
+store.set("w/1", json.dumps({"beat": 1, "step": 9, "phase": "fit_end", "state": "done"}))
+events = []
+dog = Watchdog(2.0, 0, 2, store=store, prefix="w", interval=0.2, on_stall=lambda r: events.append("report: " + r))
+dog.start()
+dog.mark(5, "step_end")
+time.sleep(0.5)
+os.kill(os.getpid(), signal.SIGSTOP)  # the training thread stops its process; the test continues it
+dog.mark(6, "forward_backward")  # the training thread goes on at once after SIGCONT...
+events.append("marked step 6")
+dog.stop()  # ...and ends its fit
+events.append("stopped")
+print(json.dumps(events))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_continued_process_judges_its_own_freeze_before_its_training_thread_goes_on():
+    """After SIGCONT every thread of a frozen rank runs again, the training thread first as often as not. Its
+    next mark, or the end of its fit, waits for the watchdog's judgement: the freeze is reported (where it
+    froze) before training goes on, and a fit that ends right after waking cannot end it unreported."""
+    proc = subprocess.Popen([sys.executable, "-c", FROZEN_THEN_ENDING], env=ENV, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+            assert time.monotonic() < deadline and proc.poll() is None, "the process never stopped"
+            time.sleep(0.02)
+        time.sleep(3.0)  # frozen for longer than the 2 s stall timeout
+        proc.send_signal(signal.SIGCONT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    events = json.loads(out.strip().splitlines()[-1])
+    assert len(events) == 3 and events[1:] == ["marked step 6", "stopped"], events
+    assert events[0].startswith("report: rank 0 was frozen for "), events
+    assert " at step 5 (step_end)" in events[0], events
+
+
 # --------------------------------------------------------------------------- #
 # Bad input
 # --------------------------------------------------------------------------- #
@@ -299,14 +342,14 @@ def test_a_sigstopped_rank_0_is_continued_and_named_with_its_last_step(tmp_path)
         assert stalled["rc"] == EXIT_STALLED, err[-4000:]
         took = stalled["ended"] - stalled["frozen_at"]
         assert took < 35, f"the job ended {took:.1f} s after rank 0 froze"
-        report1 = next(line for line in err.splitlines() if line.startswith("unison: rank 1: rank 0 stalled"))
-        assert "the control-plane store it hosts" in report1
+        report1 = next((line for line in err.splitlines() if line.startswith("unison: rank 1: rank 0 stalled")), "")
+        assert "the control-plane store it hosts" in report1, err[-6000:]
         assert "it was a stopped process on this host and was continued (SIGCONT)" in report1
         # The step rank 0 froze at (the end of step 7, the trainer's step 6), not its first heartbeat's.
         assert "rank 0's last heartbeat at step 6 (" in report1, report1
         assert "no heartbeat seen" not in err and "step 0 (setup)" not in report1
-        report0 = next(line for line in err.splitlines() if line.startswith("unison: rank 0: rank 0 was frozen"))
-        assert "at step 6 (" in report0, report0
+        report0 = next((line for line in err.splitlines() if line.startswith("unison: rank 0: rank 0 was frozen")), "")
+        assert "at step 6 (" in report0, err[-6000:]
         assert "exit code 3: StallError" in err
         assert leave_nothing_behind(stalled["pids"]) == [], "a worker outlived the job (stopped or running)"
         verified = Checkpointer(stalled["ckpt"]).latest()

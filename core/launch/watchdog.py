@@ -25,9 +25,11 @@ default), and the error names no rank. With it:
   as "killed by SIGKILL". Continued, it notices its own freeze, prints its own
   stacks and exits with the same code.
 
-A rank that finishes (or fails) marks its heartbeat so, and is never blamed.
+A rank that finishes (or fails) marks its heartbeat so, and is never blamed. A rank that has found a
+stall trains no further: its training thread waits at its next :meth:`Watchdog.mark` (or at the end of
+the fit) for the report, and so does a continued rank until its watchdog has judged its own freeze.
 
-The module is past 400 lines (about 550): the stall rules above, the heartbeat thread, where a frozen
+The module is past 400 lines (about 670): the stall rules above, the heartbeat thread, where a frozen
 rank froze and what a stall does are one mechanism, and the stall detection itself
 (:class:`StallDetector`) is pure and tested alone. The report's wording (``_describe``,
 ``_positions``, ``_store_stalled``) could stand in a module of its own.
@@ -39,12 +41,15 @@ import collections
 import contextlib
 import datetime
 import faulthandler
+import io
 import itertools
 import json
+import math
 import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -228,6 +233,14 @@ class Watchdog:
         self._woke_host = False
         self._own_store = False
         self._beat_count = 0
+        #: When the judging thread last ran (monotonic); infinite while it is not running. A training thread
+        #: that finds it a whole timeout old was frozen with its process, and waits for the judgement.
+        self._alive_at = math.inf
+        self._judge_within = stall_timeout_s if stall_timeout_s is not None else math.inf
+        #: Set once this rank has found a stall (its own freeze included); ``_stall_handled`` once ``on_stall``
+        #: returned (the default reaction never returns: it exits the process).
+        self._stall_found = threading.Event()
+        self._stall_handled = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -239,9 +252,26 @@ class Watchdog:
         return self.stall_timeout_s is not None and self.world_size > 1
 
     def mark(self, step: int, phase: str) -> None:
-        """Record where this rank is (hot path: two assignments and a clock read, no I/O)."""
+        """Record where this rank is (hot path: a clock read, a comparison, two assignments; no I/O).
+
+        Once a stall is found here, or when the judging thread has not run for a whole stall timeout (this
+        process was frozen and has just been continued), the training thread waits for the judgement first
+        instead of training on: a stalled world commits no further step or checkpoint.
+        """
+        now = time.monotonic()
+        if now - self._alive_at >= self._judge_within or self._stall_found.is_set():
+            self._await_judgement(now)
         self.where = (step, phase)
-        self._marks.append((time.monotonic(), self.where))
+        self._marks.append((now, self.where))
+
+    def _await_judgement(self, since: float) -> None:
+        """Wait until the judging thread has run since ``since`` without finding a stall, or has handled the
+        stall it found (the default reaction exits the process meanwhile); at most one stall timeout."""
+        deadline = since + self._judge_within
+        while not self._stall_found.is_set() and self._alive_at <= since and time.monotonic() < deadline:
+            self._stall_found.wait(0.01)
+        if self._stall_found.is_set():
+            self._stall_handled.wait()
 
     def frozen_at(self, now: float) -> tuple[tuple[int, str], dict[str, Any] | None]:
         """Where this rank was when it froze, and the last collective it had entered then.
@@ -272,7 +302,7 @@ class Watchdog:
             self._publish(_RUNNING)
             assert self.stall_timeout_s is not None
             self._detector = StallDetector(self.world_size, self.stall_timeout_s, time.monotonic())
-            self._store_ok_at = time.monotonic()
+            self._store_ok_at = self._alive_at = time.monotonic()
             # Two threads: store I/O can block for good on a frozen store host,
             # so the judging never waits on it.
             self._io = threading.Thread(target=self._beat, name="unison-heartbeat", daemon=True)
@@ -285,6 +315,9 @@ class Watchdog:
         """Stop the threads and mark this rank done (it is never blamed after this)."""
         if self._thread is None or self._io is None:
             return
+        now = time.monotonic()
+        if now - self._alive_at >= self._judge_within or self._stall_found.is_set():
+            self._await_judgement(now)  # frozen just before the end: the judgement comes first
         self._stop.set()
         for thread in (self._thread, self._io):
             thread.join(timeout=max(5.0, 3 * self.interval))
@@ -347,16 +380,24 @@ class Watchdog:
 
     def _judge(self) -> None:
         """Every interval: was this process frozen, is the store's host, is any other rank."""
+        try:
+            self._judge_until_stall()
+        finally:
+            if not self._stall_found.is_set():
+                self._alive_at = math.inf  # no judgement is coming: a training thread never waits for one
+
+    def _judge_until_stall(self) -> None:
         assert self.stall_timeout_s is not None
         others = [r for r in range(self.world_size) if r != self.rank]
         while True:
-            waited_from = time.monotonic()
-            if self._stop.wait(self.interval):
-                return
+            stopping = self._stop.wait(self.interval)
             now = time.monotonic()
-            if now - waited_from >= self.stall_timeout_s:
-                # A wait of one interval took a whole timeout: this process was
-                # frozen (stopped, or starved), and the other ranks named it.
+            if now - self._alive_at >= self.stall_timeout_s:
+                # A whole timeout since this thread last ran, wherever it was then (waiting, or judging):
+                # this process was frozen (stopped, or starved), and the other ranks named it. Checked on
+                # the way out too: a training thread continued first may have reached the end of the fit.
+                self._stall_found.set()
+                frozen_for = now - self._alive_at
                 before = self.frozen_at(now)
                 if self.store_host_rank == self.rank:
                     # Its peers cannot read while the store is frozen with this process: where it froze
@@ -368,10 +409,13 @@ class Watchdog:
                     self._linger = HOST_LINGER_S
                 (step, phase), collective = before
                 self._stalled(
-                    f"rank {self.rank} was frozen for {now - waited_from:.1f} s at step {step} ({phase}), stopped or "
+                    f"rank {self.rank} was frozen for {frozen_for:.1f} s at step {step} ({phase}), stopped or "
                     "starved of CPU; the other ranks report it as stalled; its last collective entered: "
                     + collectives.summary(collective)
                 )
+                return
+            self._alive_at = now
+            if stopping:
                 return
             with self._lock:
                 detector, store_ok_at = self._detector, self._store_ok_at
@@ -384,9 +428,11 @@ class Watchdog:
                     stalled = detector.stalled(now, others)
                     if not stalled:
                         continue
+                    self._stall_found.set()
                     self._stoppable = self._stopped_here(detector, stalled)
                     report = self._describe(detector, stalled, now, others)
             if store_silent is not None:
+                self._stall_found.set()  # before the store's host is continued: this rank trains no further
                 report = self._store_stalled(detector, others, store_silent)
             self._stalled(report)
             return
@@ -499,17 +545,23 @@ class Watchdog:
 
     def _stalled(self, report: str) -> None:
         self.report = report
-        self.on_stall(report)
+        self._stall_found.set()
+        try:
+            self.on_stall(report)
+        finally:
+            self._stall_handled.set()
 
     # -- the default reaction ---------------------------------------------------- #
     def exit_stalled(self, report: str) -> None:
         """Print the report line and this rank's Python stacks, dump the NCCL trace, exit with code 3."""
+        line = io.StringIO()
         messages.say(
             f"unison: rank {self.rank}: {report}. Python stacks of rank {self.rank} follow; exiting with code "
             f"{EXIT_STALLED}",
             level="error",
+            file=line,
         )
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        write_whole(line.getvalue().encode() + python_stacks())
         trace = dump_nccl_trace(self.rank)
         if trace:
             messages.say(f"unison: rank {self.rank}: NCCL flight recorder written to {trace}", level="error")
@@ -541,6 +593,32 @@ class Watchdog:
                 if self.store.check(keys):
                     return
             time.sleep(0.05)
+
+
+def python_stacks() -> bytes:
+    """Every thread's Python stack, as :mod:`faulthandler` writes it (it needs a file of the OS's)."""
+    try:
+        with tempfile.TemporaryFile() as f:
+            faulthandler.dump_traceback(file=f, all_threads=True)
+            f.seek(0)
+            return f.read()
+    except OSError as exc:  # no temporary file: the report goes out without them
+        return f"(Python stacks not available: {exc})\n".encode()
+
+
+def write_whole(data: bytes) -> None:
+    """Write ``data`` to stderr in one system call where it can: the ranks of a job share one stderr, and a
+    report printed in pieces (faulthandler writes a stack frame in several) interleaves with a peer's."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # a stderr without a file descriptor (captured)
+        sys.stderr.write(data.decode(errors="replace"))
+        sys.stderr.flush()
+        return
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def dump_nccl_trace(rank: int) -> str | None:
