@@ -2,7 +2,8 @@
 
 Sections (``--only`` picks some): ``overhead`` (unison / hand-written loop per
 backend), ``peer`` (unison / PyTorch Lightning and Accelerate, ddp and fsdp), ``profile`` (where the
-gap to the hand-written loop goes, by function, for single and pipeline),
+gap to the hand-written loop goes, by function, for single and pipeline), ``memory`` (peak resident
+set per rank, unison / hand-written loop per backend; see benchmarks/peak_memory.py),
 ``framework`` (time outside backend calls, hook dispatch), ``worlds`` (memory at world 2 and 4,
 step time at world 1, 2, 4), ``data`` (sharded data: samples/s from local disk
 and from an S3 server on loopback, read amplification at world 1, 2, 4; see
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SECTIONS = ("overhead", "peer", "profile", "framework", "worlds", "data", "conformance")
+SECTIONS = ("overhead", "peer", "profile", "memory", "framework", "worlds", "data", "conformance")
 HERE = Path(__file__).resolve().parent
 #: Sharded data from S3 on loopback: samples/s at least this fraction of local disk's.
 DATA_TARGET = 0.8
@@ -185,6 +186,53 @@ def section_overhead(w: Any, rounds: int, timeout: float) -> tuple[list[Table], 
             f"{c['grad_norm']:.0f}",
         )
     return [table, collectives], summary
+
+
+def section_memory(w: Any, timeout: float) -> tuple[Table, dict[str, Any]]:
+    import importlib.util
+
+    from benchmarks.overhead import DISTRIBUTED
+    from benchmarks.peak_memory import MEMORY_TARGET, compare, summarize
+
+    missing = [] if importlib.util.find_spec("deepspeed") else ["zero2", "zero3"]
+    names = ["single", *(n for n in DISTRIBUTED if n not in missing)]
+    out = {
+        n: {warm: summarize(compare(w, n, 1 if n == "single" else 2, timeout, warm)) for warm in (False, True)}
+        for n in names
+    }
+    table = Table(
+        f"Peak memory per rank, {w.name} workload: unison / hand-written loop on the same backend API",
+        [
+            "strategy",
+            "world",
+            "hand-written peak MiB",
+            "unison peak MiB",
+            f"ratio (target <= {MEMORY_TARGET})",
+            "growth over the reset MiB, hand-written / unison",
+            "after a warm-up fit: peak MiB, hand-written / unison",
+            "after a warm-up fit: ratio",
+        ],
+        "Peak resident set (VmHWM) of the rank where the ratio is largest, reset after the imports and the process "
+        f"group (benchmarks/peak_memory.py); each contender in a world of new processes; {w.steps} steps. Growth: "
+        "the peak less the resident set at the reset, what training itself added. After a warm-up fit: both "
+        "contenders first run a 3-step unison fit of the same strategy, so the modules a fit imports are resident "
+        "in both and the ratio compares the memory of training alone.",
+    )
+    if missing:
+        table.note += f" Not run: {', '.join(missing)} (DeepSpeed is not installed)."
+    for n, both in out.items():
+        m, warm = both[False], both[True]
+        table.add(
+            n,
+            1 if n == "single" else 2,
+            f"{m['hand_peak']:.0f}",
+            f"{m['unison_peak']:.0f}",
+            _fmt_ratio(m["ratio"], MEMORY_TARGET),
+            f"{m['hand_growth']:.1f} / {m['unison_growth']:.1f}",
+            f"{warm['hand_peak']:.0f} / {warm['unison_peak']:.0f}",
+            _fmt_ratio(warm["ratio"], MEMORY_TARGET),
+        )
+    return table, out
 
 
 def section_peer(w: Any, rounds: int, timeout: float) -> tuple[Table, dict[str, Any]]:
@@ -502,7 +550,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--workload",
         default="mlp,lm",
-        help="comma-separated workloads for the overhead and peer sections: mlp (ms steps), lm (100-300 ms steps)",
+        help="comma-separated workloads for the overhead, peer, profile and memory sections: mlp (ms steps), lm "
+        "(100-300 ms steps)",
     )
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds per comparison (>= 5 for RESULTS)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per timed run (mlp 25, lm 12)")
@@ -543,6 +592,7 @@ def main(argv: list[str] | None = None) -> None:
         "overhead": lambda wl: section_overhead(wl, args.rounds, args.timeout)[0],
         "peer": lambda wl: [section_peer(wl, args.rounds, args.timeout)[0]],
         "profile": lambda wl: section_profile(wl, args.timeout)[0],
+        "memory": lambda wl: [section_memory(wl, args.timeout)[0]],
     }
     for name, wl in workloads.items():
         for section, run in per_workload.items():
