@@ -12,16 +12,26 @@ A second measurement (``warm``) runs a short unison fit of the same strategy in 
 the reset: every module a fit imports (unison's own, pydantic's for the option schemas, rich) is then
 resident in both, and what remains between them is the memory of training itself, the CPU analogue of
 comparing ``torch.cuda.max_memory_allocated``.
+
+A third (``fixed``) also fixes glibc's mmap threshold at 128 KiB (``mallopt(M_MMAP_THRESHOLD)``) before
+the warm-up fit. By default glibc raises that threshold each time a large block is freed, after which
+large tensors come from the heap, whose freed space stays resident: the peak then depends on the order
+of allocations as much as on their sizes (the two ranks of one hand-written zero2 loop on the lm
+workload differ by 24-32 MiB). With the threshold fixed, every tensor above it is mapped and unmapped on
+its own, and the peak follows the memory in use.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 from pathlib import Path
 from typing import Any
 
 #: unison's peak resident set over the hand-written loop's, per rank.
 MEMORY_TARGET = 1.02
+#: ``M_MMAP_THRESHOLD`` for glibc's ``mallopt``, and the value the ``fixed`` measurement sets.
+_M_MMAP_THRESHOLD, FIXED_MMAP_THRESHOLD = -3, 128 * 1024
 
 
 def _status_mib(field: str) -> float:
@@ -37,11 +47,14 @@ def reset_peak() -> float:
     return _status_mib("VmRSS")
 
 
-def peak_rss(w: Any, strategy: str, who: str, warm: bool = False) -> dict[str, float]:
+def peak_rss(w: Any, strategy: str, who: str, warm: bool = False, fixed: bool = False) -> dict[str, float]:
     """Run in every rank of a fresh world: train ``w`` as ``who`` (``hand`` or ``unison``); the rank's MiB.
 
-    With ``warm``, a 3-step unison fit of the same strategy runs first, in either contender.
+    With ``warm``, a 3-step unison fit of the same strategy runs first, in either contender; with ``fixed``,
+    glibc's mmap threshold is fixed first (see the module docstring).
     """
+    if fixed and not ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, FIXED_MMAP_THRESHOLD):
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: not glibc?")
     import unison  # noqa: F401  both contenders pay for the same imports before the reset
     from benchmarks.workload import HAND_LOOPS, run_unison
 
@@ -57,11 +70,13 @@ def peak_rss(w: Any, strategy: str, who: str, warm: bool = False) -> dict[str, f
     return {"base_mib": base, "peak_mib": _status_mib("VmHWM")}
 
 
-def compare(w: Any, strategy: str, world: int, timeout: float, warm: bool = False) -> dict[str, list[dict[str, float]]]:
+def compare(
+    w: Any, strategy: str, world: int, timeout: float, warm: bool = False, fixed: bool = False
+) -> dict[str, list[dict[str, float]]]:
     """Each contender's per-rank peaks, each in a new world of ``world`` ranks (the hand-written loop first)."""
     from unison.launch.torchrun import spawn
 
-    return {who: spawn(peak_rss, world, w, strategy, who, warm, timeout=timeout) for who in ("hand", "unison")}
+    return {who: spawn(peak_rss, world, w, strategy, who, warm, fixed, timeout=timeout) for who in ("hand", "unison")}
 
 
 def summarize(ranks: dict[str, list[dict[str, float]]]) -> dict[str, float]:
