@@ -107,6 +107,13 @@ def machine() -> dict[str, str]:
 PACKAGES = ("unison", "torch", "deepspeed", "lightning", "accelerate", "pluggy", "numpy")
 
 
+def _without_deepspeed() -> list[str]:
+    """DeepSpeed is an extra (the `deepspeed` one): without it the ZeRO rows are left out, and said so."""
+    import importlib.util
+
+    return [] if importlib.util.find_spec("deepspeed") else ["zero2", "zero3"]
+
+
 def _fmt_ratio(r: float, target: float = RATIO_TARGET) -> str:
     return f"{r:.3f}" + ("" if r <= target else " (above target)")
 
@@ -125,10 +132,7 @@ def section_overhead(w: Any, rounds: int, timeout: float) -> tuple[list[Table], 
     # One world per backend: a backend that patches torch globally (DeepSpeed ZeRO-3 wraps
     # F.linear) must not meet another's leftovers (FSDP2's DTensor parameters).
     world: dict[str, Any] = {"times": {}, "collectives_us": {}}
-    import importlib.util
-
-    # DeepSpeed is an extra (the `deepspeed` one): without it the ZeRO rows are left out, and said so.
-    missing = [] if importlib.util.find_spec("deepspeed") else ["zero2", "zero3"]
+    missing = _without_deepspeed()
     for name in (n for n in DISTRIBUTED if n not in missing):
         one = spawn(world_overhead, 2, w, (name,), rounds, timeout=timeout)[0]
         world["times"].update(one["times"])
@@ -189,12 +193,10 @@ def section_overhead(w: Any, rounds: int, timeout: float) -> tuple[list[Table], 
 
 
 def section_memory(w: Any, timeout: float) -> tuple[Table, dict[str, Any]]:
-    import importlib.util
-
     from benchmarks.overhead import DISTRIBUTED
     from benchmarks.peak_memory import MEMORY_TARGET, compare, summarize
 
-    missing = [] if importlib.util.find_spec("deepspeed") else ["zero2", "zero3"]
+    missing = _without_deepspeed()
     names = ["single", *(n for n in DISTRIBUTED if n not in missing)]
     variants = {"cold": (False, False), "warm": (True, False), "fixed": (True, True)}
     out = {

@@ -259,10 +259,14 @@ class Watchdog:
         instead of training on: a stalled world commits no further step or checkpoint.
         """
         now = time.monotonic()
-        if now - self._alive_at >= self._judge_within or self._stall_found.is_set():
+        if self._judgement_due(now):
             self._await_judgement(now)
         self.where = (step, phase)
         self._marks.append((now, self.where))
+
+    def _judgement_due(self, now: float) -> bool:
+        """A stall is found, or the judging thread has not run for a whole timeout (this process was frozen)."""
+        return now - self._alive_at >= self._judge_within or self._stall_found.is_set()
 
     def _await_judgement(self, since: float) -> None:
         """Wait until the judging thread has run since ``since`` without finding a stall, or has handled the
@@ -316,7 +320,7 @@ class Watchdog:
         if self._thread is None or self._io is None:
             return
         now = time.monotonic()
-        if now - self._alive_at >= self._judge_within or self._stall_found.is_set():
+        if self._judgement_due(now):
             self._await_judgement(now)  # frozen just before the end: the judgement comes first
         self._stop.set()
         for thread in (self._thread, self._io):
@@ -396,7 +400,6 @@ class Watchdog:
                 # A whole timeout since this thread last ran, wherever it was then (waiting, or judging):
                 # this process was frozen (stopped, or starved), and the other ranks named it. Checked on
                 # the way out too: a training thread continued first may have reached the end of the fit.
-                self._stall_found.set()
                 frozen_for = now - self._alive_at
                 before = self.frozen_at(now)
                 if self.store_host_rank == self.rank:
@@ -428,7 +431,6 @@ class Watchdog:
                     stalled = detector.stalled(now, others)
                     if not stalled:
                         continue
-                    self._stall_found.set()
                     self._stoppable = self._stopped_here(detector, stalled)
                     report = self._describe(detector, stalled, now, others)
             if store_silent is not None:
