@@ -119,7 +119,7 @@ def test_a_live_holder_on_this_host_is_refused_at_once_even_for_its_own_run(tmp_
         for attempt in (lambda: lease.refuse_if_held(own_run="r"), lambda: lease.acquire("r", own_run=True)):
             with pytest.raises(unison.ConfigurationError, match=rf"pid {holder.pid} on host {socket.gethostname()}"):
                 attempt()
-        assert time.monotonic() - start < 2.0  # before: acquire waited ttl + 5 s
+        assert time.monotonic() - start < 10.0  # before: acquire waited ttl + 5 s (65 s)
     finally:
         holder.kill()
         holder.wait()
