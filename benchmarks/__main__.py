@@ -147,13 +147,19 @@ def section_overhead(w: Any, rounds: int, timeout: float) -> tuple[list[Table], 
             "unison ms/step",
             f"ratio (target <= {w.target})",
             "per-round ratios",
+            "CPU ms/step, hand-written; unison",
+            "CPU ratio",
+            "per-round CPU ratios",
             "without the stop agreement (ablation)",
             "hand-written loop",
         ],
         f"Median of {rounds} alternated rounds; steady-state step time ({w.steps - w.warmup} steps after "
-        f"{w.warmup} warm-up). Per-round ratios show the noise: each round's pair ran back to back. The ablation "
-        "column: unison with its per-step stop agreement removed (measurement only, not a mode), over the same "
-        "hand-written median.",
+        f"{w.warmup} warm-up). Per-round ratios show the noise: each round's pair ran back to back. CPU: the CPU "
+        "time of a steady step, summed over the world's processes and all their threads (benchmarks/overhead.py): "
+        "the work a step asks for, without the time a process waited or was not scheduled, so it is far less "
+        "noisy on shared cores; it does not show a wait that one rank's extra work causes on another, the wall "
+        "clock does. The ablation column: unison with its per-step stop agreement removed (measurement only, not "
+        "a mode), over the same hand-written median (wall clock).",
     )
     if missing:
         table.note += f" Not run: {', '.join(missing)} (DeepSpeed is not installed)."
@@ -168,6 +174,9 @@ def section_overhead(w: Any, rounds: int, timeout: float) -> tuple[list[Table], 
             f"{s['unison_ms']:.2f}",
             _fmt_ratio(s["ratio"], w.target),
             " ".join(f"{r:.2f}" for r in s["round_ratios"]),
+            f"{s['hand_cpu_ms']:.2f}; {s['unison_cpu_ms']:.2f}",
+            _fmt_ratio(s["cpu_ratio"], w.target),
+            " ".join(f"{r:.3f}" for r in s["cpu_round_ratios"]),
             "" if s["no_agreement_ratio"] is None else f"{s['no_agreement_ratio']:.3f}",
             HAND_DESCRIPTION[name],
         )

@@ -2,11 +2,21 @@
 
 For each strategy both contenders train the same workload (:mod:`.workload`)
 in the same process or world, alternated round by round (hand first on even
-rounds, unison first on odd ones) so that load on the machine hits both alike.
+rounds, unison first on odd ones) so that load on the machine hits both alike,
+after one unrecorded round of both (the first fit in a process pays one-time
+costs past its warm-up steps: allocator growth, first calls).
 Each run's steady-state step time is read from stamps taken after every
 optimizer step (warm-up steps excluded); the ratio is the median unison time
 over the median hand-written time. ``single`` runs in this process, the others
 in one gloo world.
+
+Beside the wall-clock ratio, the CPU ratio: the CPU seconds each steady step
+used, summed over the world's processes (every thread: autograd's and gloo's
+included), unison's median over the loop's. Time a process waits or is not
+scheduled is not CPU time, so on shared cores this ratio moves far less from
+round to round than the wall-clock one; it measures the work unison adds (its
+Python, its extra collectives' own cost), not the waits that work causes on
+another rank, which only the wall clock shows.
 
 In the world, a third contender runs alongside: unison with its per-step stop
 agreement removed (:func:`without_stop_agreement`, an ablation that exists
@@ -20,9 +30,10 @@ import statistics
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from benchmarks.workload import HAND_LOOPS, Workload, run_unison, steady_step_time
+from benchmarks.workload import HAND_LOOPS, Workload, run_unison, steady_step_cpu, steady_step_time
 
 DISTRIBUTED = ("ddp", "fsdp", "zero2", "zero3", "pipeline")
 
@@ -47,11 +58,13 @@ def without_stop_agreement() -> Iterator[None]:
 def alternate(w: Workload, strategy: str, rounds: int, ablation: bool = False) -> dict[str, list[float]]:
     """Step times of the contenders over ``rounds`` alternated rounds (on every rank; rank 0's are the world's).
 
-    With ``ablation``, unison without its stop agreement runs too (key ``"no_agreement"``).
+    Key ``who``: wall seconds per steady step; key ``who + "_cpu"``: CPU seconds per steady step, summed over
+    the world's processes. With ``ablation``, unison without its stop agreement runs too (key
+    ``"no_agreement"``).
     """
     contenders = ["hand", "unison"] + (["no_agreement"] if ablation else [])
-    times: dict[str, list[float]] = {who: [] for who in contenders}
-    for r in range(rounds):
+    times: dict[str, list[float]] = {key: [] for who in contenders for key in (who, who + "_cpu")}
+    for r in range(-1, rounds):  # round -1 is not recorded: it takes the process's one-time costs out of both
         for who in contenders if r % 2 == 0 else contenders[::-1]:
             if dist.is_initialized():
                 dist.barrier()
@@ -62,7 +75,12 @@ def alternate(w: Workload, strategy: str, rounds: int, ablation: bool = False) -
             else:
                 with without_stop_agreement():
                     stamps = run_unison(w, strategy)["stamps"]
-            times[who].append(steady_step_time(stamps, w.warmup))
+            cpu = torch.tensor([steady_step_cpu(stamps, w.warmup)], dtype=torch.float64)
+            if dist.is_initialized():
+                dist.all_reduce(cpu)
+            if r >= 0:
+                times[who].append(steady_step_time(stamps, w.warmup))
+                times[who + "_cpu"].append(float(cpu))
     return times
 
 
@@ -79,7 +97,12 @@ def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
     u, h = statistics.median(times["unison"]), statistics.median(times["hand"])
     # Noise: the spread of the per-round ratios (each round's pair ran back to back).
     per_round = [a / b for a, b in zip(times["unison"], times["hand"])]
+    uc, hc = statistics.median(times["unison_cpu"]), statistics.median(times["hand_cpu"])
     return {
+        "unison_cpu_ms": uc * 1e3,
+        "hand_cpu_ms": hc * 1e3,
+        "cpu_ratio": uc / hc,
+        "cpu_round_ratios": [a / b for a, b in zip(times["unison_cpu"], times["hand_cpu"])],
         "unison_ms": u * 1e3,
         "hand_ms": h * 1e3,
         "ratio": u / h,

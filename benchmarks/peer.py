@@ -24,20 +24,19 @@ off, like unison's run here.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.workload import Workload, run_unison, steady_step_time
+from benchmarks.workload import Stamp, Workload, run_unison, stamp, steady_step_time
 
 
 def run_lightning(w: Workload, strategy: str = "ddp") -> dict[str, Any]:
     import lightning as L
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    stamps: list[float] = []
+    stamps: list[Stamp] = []
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -65,7 +64,7 @@ def run_lightning(w: Workload, strategy: str = "ddp") -> dict[str, Any]:
     class Stamps(L.Callback):
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             if (batch_idx + 1) % w.accumulate == 0:  # the optimizer stepped on this micro-batch
-                stamps.append(time.perf_counter())
+                stamps.append(stamp())
 
     module = Module()
     trainer = L.Trainer(
@@ -150,7 +149,7 @@ def run_accelerate(w: Workload, strategy: str) -> dict[str, Any]:
     model = w.model()
     optimizer = w.optimizer(model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)
-    stamps: list[float] = []
+    stamps: list[Stamp] = []
     batches = iter(w.loader(world, rank))  # not prepared: unison's slices of the same global batches
     for _ in range(w.steps):
         for _ in range(w.accumulate):
@@ -161,7 +160,7 @@ def run_accelerate(w: Workload, strategy: str) -> dict[str, Any]:
                     accelerator.clip_grad_norm_(model.parameters(), w.clip)
                 optimizer.step()
                 optimizer.zero_grad()
-        stamps.append(time.perf_counter())
+        stamps.append(stamp())
     state = {k: _full(v) for k, v in accelerator.unwrap_model(model).state_dict().items()}
     AcceleratorState._reset_state(reset_partial_state=True)
     return {"stamps": stamps, "state": state}

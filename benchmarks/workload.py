@@ -13,9 +13,10 @@ contiguous slice per data-parallel rank, exactly as unison cuts it).
 Each hand-written loop uses its backend's API directly, the way its
 documentation shows, and feeds the same micro-batches through a plain
 ``DataLoader`` (per-sample ``__getitem__`` and ``default_collate``, like
-unison's own loader). Each returns the wall-clock time stamps taken after every
-optimizer step, so the benchmark reads the steady-state step time from the
-same place for every contender.
+unison's own loader). Each returns the stamps taken after every optimizer
+step (:func:`stamp`: the wall clock and this process's CPU time), so the
+benchmark reads the steady-state step time from the same place for every
+contender.
 
 One module past 400 lines on purpose: the workloads and every hand-written loop
 they are compared with sit together, so a reader checks both sides of each ratio
@@ -223,9 +224,28 @@ class LMWorkload(Workload):
 WORKLOADS: dict[str, type[Workload]] = {w.name: w for w in (Workload, LMWorkload)}
 
 
-def steady_step_time(stamps: list[float], warmup: int) -> float:
-    """Mean seconds per optimizer step after ``warmup`` steps, from stamps taken after each step."""
-    return (stamps[-1] - stamps[warmup - 1]) / (len(stamps) - warmup)
+Stamp = tuple[float, float]
+
+
+def stamp() -> Stamp:
+    """Now, twice: the wall clock (``time.perf_counter``) and the CPU seconds this process has used.
+
+    The CPU time counts every thread of the process (the training thread,
+    autograd's, gloo's) and nothing of the time the process waited or was not
+    scheduled, so on shared cores it measures the work a step asks for, where
+    the wall clock also measures the machine's other load.
+    """
+    return time.perf_counter(), time.process_time()
+
+
+def steady_step_time(stamps: list[Stamp], warmup: int) -> float:
+    """Mean wall seconds per optimizer step after ``warmup`` steps, from stamps taken after each step."""
+    return (stamps[-1][0] - stamps[warmup - 1][0]) / (len(stamps) - warmup)
+
+
+def steady_step_cpu(stamps: list[Stamp], warmup: int) -> float:
+    """Mean CPU seconds this process used per optimizer step after ``warmup`` steps."""
+    return (stamps[-1][1] - stamps[warmup - 1][1]) / (len(stamps) - warmup)
 
 
 # --------------------------------------------------------------------------- #
@@ -233,15 +253,15 @@ def steady_step_time(stamps: list[float], warmup: int) -> float:
 # --------------------------------------------------------------------------- #
 
 
-def stamp_plugin() -> tuple[Any, list[float]]:
+def stamp_plugin() -> tuple[Any, list[Stamp]]:
     import unison
 
-    stamps: list[float] = []
+    stamps: list[Stamp] = []
 
     class Stamps:
         @unison.hookimpl
         def unison_on_train_step_end(self) -> None:
-            stamps.append(time.perf_counter())
+            stamps.append(stamp())
 
     return Stamps(), stamps
 
@@ -279,7 +299,7 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def hand_single(w: Workload) -> list[float]:
+def hand_single(w: Workload) -> list[Stamp]:
     model = w.model()
     opt = w.optimizer(model.parameters())
     stamps = []
@@ -291,11 +311,11 @@ def hand_single(w: Workload) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stamps.append(time.perf_counter())
+        stamps.append(stamp())
     return stamps
 
 
-def hand_ddp(w: Workload) -> list[float]:
+def hand_ddp(w: Workload) -> list[Stamp]:
     from torch.nn.parallel import DistributedDataParallel
 
     rank, world = _world()
@@ -312,11 +332,11 @@ def hand_ddp(w: Workload) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stamps.append(time.perf_counter())
+        stamps.append(stamp())
     return stamps
 
 
-def hand_fsdp(w: Workload) -> list[float]:
+def hand_fsdp(w: Workload) -> list[Stamp]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -338,7 +358,7 @@ def hand_fsdp(w: Workload) -> list[float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), w.clip)  # DTensor-aware: the global norm
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stamps.append(time.perf_counter())
+        stamps.append(stamp())
     return stamps
 
 
@@ -355,7 +375,7 @@ def deepspeed_config(w: Workload, stage: int, world: int) -> dict[str, Any]:
     return config
 
 
-def hand_deepspeed(w: Workload, stage: int) -> list[float]:
+def hand_deepspeed(w: Workload, stage: int) -> list[Stamp]:
     import os
 
     import deepspeed
@@ -375,12 +395,12 @@ def hand_deepspeed(w: Workload, stage: int) -> list[float]:
             # and reduces, clips and updates at its boundary.
             engine.backward(w.loss(engine(x), y))
             engine.step()
-        stamps.append(time.perf_counter())
+        stamps.append(stamp())
     engine.destroy()
     return stamps
 
 
-def hand_pipeline(w: Workload) -> list[float]:
+def hand_pipeline(w: Workload) -> list[Stamp]:
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
     rank, world = _world()
@@ -422,7 +442,7 @@ def hand_pipeline(w: Workload) -> list[float]:
         torch.nn.utils.clip_grads_with_norm_(list(mine.parameters()), w.clip, squared.sqrt().reshape(()))
         opt.step()
         opt.zero_grad(set_to_none=True)
-        stamps.append(time.perf_counter())
+        stamps.append(stamp())
     return stamps
 
 
