@@ -156,10 +156,11 @@ def section_overhead(w: Any, rounds: int, timeout: float) -> tuple[list[Table], 
         f"Median of {rounds} alternated rounds; steady-state step time ({w.steps - w.warmup} steps after "
         f"{w.warmup} warm-up). Per-round ratios show the noise: each round's pair ran back to back. CPU: the CPU "
         "time of a steady step, summed over the world's processes and all their threads (benchmarks/overhead.py): "
-        "the work a step asks for, without the time a process waited or was not scheduled, so it is far less "
-        "noisy on shared cores; it does not show a wait that one rank's extra work causes on another, the wall "
-        "clock does. The ablation column: unison with its per-step stop agreement removed (measurement only, not "
-        "a mode), over the same hand-written median (wall clock).",
+        "the work a step asks for, without the time a process waited in a collective (a gloo wait uses no CPU) or "
+        "was not scheduled; the variation of the host under a virtual machine still shows in it. It does not show "
+        "a wait that one rank's extra work causes on another, the wall clock does. The ablation column: unison "
+        "with its per-step stop agreement removed (measurement only, not a mode), over the same hand-written "
+        "median (wall clock).",
     )
     if missing:
         table.note += f" Not run: {', '.join(missing)} (DeepSpeed is not installed)."

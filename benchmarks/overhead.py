@@ -12,11 +12,13 @@ in one gloo world.
 
 Beside the wall-clock ratio, the CPU ratio: the CPU seconds each steady step
 used, summed over the world's processes (every thread: autograd's and gloo's
-included), unison's median over the loop's. Time a process waits or is not
-scheduled is not CPU time, so on shared cores this ratio moves far less from
-round to round than the wall-clock one; it measures the work unison adds (its
-Python, its extra collectives' own cost), not the waits that work causes on
-another rank, which only the wall clock shows.
+included), unison's median over the loop's. Time a process waits in a gloo
+collective (which uses no CPU) or is not scheduled is not CPU time, so this
+ratio measures the work unison adds (its Python, its extra collectives' own
+cost), not the waits that work causes on another rank, which only the wall
+clock shows. It does not remove the host's own variation: under a virtual
+machine a step's CPU time moves with the host's load, and on a quiet guest the
+CPU and wall-clock ratios of a round agree.
 
 In the world, a third contender runs alongside: unison with its per-step stop
 agreement removed (:func:`without_stop_agreement`, an ablation that exists

@@ -231,9 +231,9 @@ def stamp() -> Stamp:
     """Now, twice: the wall clock (``time.perf_counter``) and the CPU seconds this process has used.
 
     The CPU time counts every thread of the process (the training thread,
-    autograd's, gloo's) and nothing of the time the process waited or was not
-    scheduled, so on shared cores it measures the work a step asks for, where
-    the wall clock also measures the machine's other load.
+    autograd's, gloo's) and nothing of the time the process waited in a
+    collective or was not scheduled: it measures the work a step asks for,
+    where the wall clock also measures waiting and the machine's other load.
     """
     return time.perf_counter(), time.process_time()
 
