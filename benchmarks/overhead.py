@@ -77,10 +77,10 @@ def alternate(w: Workload, strategy: str, rounds: int, ablation: bool = False) -
             else:
                 with without_stop_agreement():
                     stamps = run_unison(w, strategy)["stamps"]
-            cpu = torch.tensor([steady_step_cpu(stamps, w.warmup)], dtype=torch.float64)
-            if dist.is_initialized():
-                dist.all_reduce(cpu)
             if r >= 0:
+                cpu = torch.tensor([steady_step_cpu(stamps, w.warmup)], dtype=torch.float64)
+                if dist.is_initialized():
+                    dist.all_reduce(cpu)  # the ranks skip the same round, so each joins every all-reduce
                 times[who].append(steady_step_time(stamps, w.warmup))
                 times[who + "_cpu"].append(float(cpu))
     return times
