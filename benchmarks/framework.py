@@ -128,7 +128,9 @@ def distributed_costs(w: Workload, strategy: str = "ddp") -> dict[str, float]:
 
     ``stop_agreement``: ``should_stop`` and stop requests all-reduced on the CPU
     (gloo) control group at every step boundary: from the wait for the previous
-    boundary's all-reduce (``collect``) to the start of this one's (``agree``). ``loss_reduce``: the step's
+    boundary's all-reduce (``collect``) to the start of this one's (``agree``);
+    where the loss all-reduce carries the flags (unison.training.stopping), the
+    flags' bookkeeping at the boundary. ``loss_reduce``: the step's
     micro-batch losses summed over replicas (``strategy.reduce_sum``), so every
     rank reports the same loss.
     """

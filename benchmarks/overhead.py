@@ -22,7 +22,10 @@ CPU and wall-clock ratios of a round agree.
 
 In the world, a third contender runs alongside: unison with its per-step stop
 agreement removed (:func:`without_stop_agreement`, an ablation that exists
-only here), which measures what that one collective costs on this machine.
+only here), which measures what that one collective costs on this machine
+where the agreement runs one (on the CPU, a strategy whose loss all-reduce
+spans the world carries the flags in it: there the ablation removes only
+their bookkeeping).
 """
 
 from __future__ import annotations

@@ -95,6 +95,12 @@ class AtStep:
 
     def __init__(self, rank: int, step: int, what: str) -> None:
         self.rank, self.step, self.what = rank, step, what
+        #: Whether the fit's loss all-reduce carried the stop flags (unison.training.stopping).
+        self.carried: bool | None = None
+
+    @unison.hookimpl
+    def unison_on_fit_start(self, trainer: Any) -> None:
+        self.carried = trainer._fit.loop.stop.carried  # the fit's TrainLoop (unison.training.record)
 
     @unison.hookimpl
     def unison_on_train_step_end(self, trainer: Any, step: int) -> None:
@@ -116,7 +122,7 @@ def stop_run(strategy: str, what: str, rank: int, step: int, every: int) -> dict
         checkpoint_dir=root,
         checkpoint_every_n_steps=every,
         progress="off",
-        callbacks=[AtStep(rank, step, what)],
+        callbacks=[at := AtStep(rank, step, what)],
     )
     preempted = None
     try:
@@ -134,6 +140,7 @@ def stop_run(strategy: str, what: str, rank: int, step: int, every: int) -> dict
         "global_step": trainer.progress.global_step,
         "steps": [h.step for h in trainer.progress.history],
         "checkpoints": sorted(p.name for p in Path(root).glob("step-*")),
+        "carried": at.carried,
     }
 
 
@@ -143,6 +150,7 @@ def stop_world(strategies: tuple[str, ...]) -> dict[str, Any]:
             "should_stop": stop_run(name, "should_stop", rank=1, step=2, every=5),
             "signal": stop_run(name, "signal", rank=0, step=2, every=5),
             "signal_at_save": stop_run(name, "signal", rank=1, step=3, every=2),
+            "signal_in_last_step": stop_run(name, "signal", rank=1, step=9, every=4),
         }
         for name in strategies
     }

@@ -20,9 +20,12 @@ Documented numbers per non-logging optimizer step (README, "Performance"):
 
 Host-only reads are not device synchronisations on any machine and are listed
 by call site with the reason: the sampler's index lists (a CPU ``randperm``),
-the lagged finiteness flag and, in a distributed run, the stop-flag agreement
-(a CPU tensor all-reduced over the gloo control group, started at one step
-boundary and read at the next). The test fails on any other site.
+the lagged finiteness flag, a pipeline schedule's mean-loss marker (read by
+the loop only when it is a CPU tensor: it then skips a multiplication of every
+gradient by 1) and, in a distributed run, the stop-flag agreement (a CPU
+tensor all-reduced over the gloo control group, or carried in the loss
+all-reduce when that runs on the CPU, started at one step boundary and read
+at the next). The test fails on any other site.
 
 This machine has no GPU, so every tensor is on the CPU; the sites are told
 apart by where the read happens, which is what would synchronise on a GPU.
@@ -58,6 +61,7 @@ HOST_ONLY = {
     "batch.py:count_tokens": "tokens of a collated batch, counted on the host before it moves to the device",
     "stopping.py:_read": "should_stop / stop-request flags: a CPU tensor all-reduced on the gloo control group",
     "nonfinite.py:resolve": "the previous step's finiteness flag, from its host copy (CUDA: after that step's event)",
+    "loop.py:_normalise": "a schedule's mean-loss marker, read only when the loss is on the CPU (else on the device)",
 }
 
 #: Documented device reads per non-logging step, by (precision, nonfinite).

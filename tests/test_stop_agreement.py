@@ -3,8 +3,11 @@
 In a world the ranks agree without blocking: the flags all-reduced after step
 k are read after step k+1, so a ``should_stop`` or a signal during step 2
 stops every rank after step 3 (``global_step`` 4); a step that saves a
-checkpoint agrees at once, so a signal during step 3, which saves, stops there
-(:mod:`unison.training.stopping`).
+checkpoint agrees at once, so a signal during step 3, which saves, stops there;
+a signal during the last step is agreed at the end of the fit
+(:mod:`unison.training.stopping`). ddp, fsdp and zero2 carry the flags in the
+step's loss all-reduce; the pipeline keeps an all-reduce of their own: both
+paths run here.
 """
 
 from __future__ import annotations
@@ -60,3 +63,25 @@ def test_a_signal_during_a_saving_step_stops_there_without_a_second_checkpoint(w
         assert run["preempted"] is not None and run["preempted"]["signal"] == "SIGUSR1", run
         assert run["preempted"]["step"] == run["global_step"] == 4
     assert runs[0]["checkpoints"] == ["step-00000002", "step-00000004"]
+
+
+@pytest.mark.parametrize("strategy", FAMILIES)
+def test_a_signal_in_the_last_step_preempts_every_rank_at_the_end_of_the_fit(world, strategy):
+    """No step follows the last boundary to carry or wait for its flags: the end of the fit agrees on them."""
+    runs = [rank[strategy]["signal_in_last_step"] for rank in world]
+    for run in runs:
+        assert run["preempted"] is not None and run["preempted"]["signal"] == "SIGUSR1", run
+        assert run["preempted"]["step"] == run["global_step"] == 10 and run["steps"] == list(range(10))
+    assert runs[0]["checkpoints"][-1] == "step-00000010"
+    latest = Checkpointer(Path(runs[0]["root"])).latest()
+    assert latest is not None and verify(LocalStorage(), latest).step == 10
+
+
+@pytest.mark.parametrize("strategy", FAMILIES)
+def test_the_flags_ride_the_loss_all_reduce_where_it_spans_the_world_on_the_cpu(world, strategy):
+    """ddp, fsdp and zero2 reduce the loss over the whole world: no collective of the agreement's own per step.
+    A pipeline's replicas are not the world (one replica of two stages): it keeps the agreement's all-reduce.
+    Both paths stop every rank alike (the tests above)."""
+    for rank in world:
+        for scenario in rank[strategy].values():
+            assert scenario["carried"] is (strategy != "pipeline"), (strategy, scenario)

@@ -10,7 +10,8 @@ and the :class:`~unison.training.checkpointing.CheckpointManager` whether to
 validate and save, and every rank agrees whether to stop
 (:class:`~unison.training.stopping.StopAgreement`: started after one step,
 waited for after the next, so in a world a stop takes effect one step later,
-or at once on a step that validates or saves).
+or at once on a step that validates or saves; on the CPU, where the step's loss
+all-reduce spans the world, the flags ride in the next step's loss all-reduce).
 Hooks fire with the trainer, in the order :mod:`unison.plugin.hookspecs`
 documents. Inside a profile, the strategy's sync points (``no_sync``, each
 micro-step's ``backward``, ``clip_grad_norm``, an engine's boundary answers)
@@ -33,6 +34,7 @@ import torch
 from unison.contract.env import DistEnv
 from unison.contract.outputs import NonFiniteError, StepOutput
 from unison.contract.ownership import AccumulationOwner, Feature, GradSync
+from unison.contract.strategy import Strategy
 from unison.errors import ConfigurationError
 from unison.launch.collectives import RECORDER
 from unison.training import marks
@@ -85,7 +87,7 @@ class TrainLoop:
         #: The fit's progress watchdog.
         self.watchdog = watchdog
         #: Every rank's stop flags (``should_stop``, ``guard``'s stop requests), agreed over the CPU control group.
-        self.stop = StopAgreement(trainer, guard, control_group, env)
+        self.stop = StopAgreement(trainer, guard, control_group, env, carried=self._loss_reduce_spans_world())
         #: ``nonfinite="raise"``: each step's finiteness, read one step late.
         self.nonfinite = NonFiniteCheck(env, self.stop, control_group)
         #: Optimizer steps skipped in a row; ``max_consecutive_skips`` of them stop training.
@@ -155,7 +157,13 @@ class TrainLoop:
         if batch.tokens is not None:
             # torch.full: the count is a kernel argument, not a host-to-device copy (which would synchronise).
             parts.append(torch.full((1,), float(batch.tokens), device=parts[0].device))
+        stop = self.stop
+        if stop.carried:  # the last boundary's stop flags ride along (unison.training.stopping)
+            parts.append(stop.outgoing().to(parts[0].dtype))
         reduced = strategy.reduce_sum(torch.cat(parts))
+        if stop.carried:
+            stop.incoming(reduced[-2:])
+            reduced = reduced[:-2]
         replicas = strategy.data_parallel_size(self.env.world_size)
         tokens = reduced[-1] if batch.tokens is not None else None
         items = None
@@ -205,7 +213,8 @@ class TrainLoop:
         that broadcasts its last stage's losses marks a mean loss with items
         -1 (its other stages cannot know the form without reading the device):
         the same arithmetic then leaves a mean loss as it is, decided on the
-        device (a factor of exactly 1). With the default token rule, the step's
+        device (a factor of exactly 1; on the CPU, where reading the marker
+        synchronises nothing, ``scale_gradients`` is not called for it). With the default token rule, the step's
         tokens are its items: tokens/s counts what the loss is normalised by.
         """
         total = items.sum()
@@ -213,10 +222,27 @@ class TrainLoop:
         micro = torch.where(mean, sums / replicas, sums / items.clamp(min=1))
         numerator = self.ownership.normalisation.gradient_factor_numerator(len(sums), replicas)
         one = torch.ones((), device=total.device)
-        self.strategy.scale_gradients(torch.where(mean, one, numerator / total.clamp(min=1)))
+        # A mean loss's factor is exactly 1. On the CPU, reading that costs no synchronisation, so a schedule's
+        # mean losses skip a pass over every gradient; an accelerator keeps the decision on the device.
+        if total.device.type != "cpu" or not bool(mean):
+            self.strategy.scale_gradients(torch.where(mean, one, numerator / total.clamp(min=1)))
         if self.data.counts_tokens_by_default:
             tokens = torch.where(mean, tokens if tokens is not None else -one, total)
         return micro, tokens
+
+    def _loss_reduce_spans_world(self) -> bool:
+        """Whether each step's loss all-reduce sums over every rank of the world on the CPU, at every step:
+        then it carries the stop flags (:class:`StopAgreement`). A strategy whose own ``reduce_sum`` might
+        reduce elsewhere, or whose replicas are not the whole world (a pipeline, tensor parallelism), keeps
+        the agreement's own all-reduce."""
+        env, strategy = self.env, self.strategy
+        return (
+            env.distributed
+            and env.world_size > 1
+            and env.device.type == "cpu"
+            and type(strategy).reduce_sum is Strategy.reduce_sum
+            and strategy.data_parallel_size(env.world_size) == env.world_size
+        )
 
     def _count(self, skipped: bool) -> None:
         """The progress counters after an optimizer step; the scheduler steps only with the optimizer."""
