@@ -5,7 +5,7 @@
 Why: the timed benchmarks measure what users feel, but on a shared virtual
 machine a fit's wall clock and CPU time move by 10-30% with the host's load,
 more than the few percent the targets are about, and the guest exposes no
-hardware counters. Two measures here do not move with load:
+hardware counters. Two measures here that load moves little or not at all:
 
 **Instructions** (valgrind's callgrind): two runs of the same code count the
 same instructions to within a few in a million. Each contender trains the
