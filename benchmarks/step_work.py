@@ -7,8 +7,11 @@ machine a fit's wall clock and CPU time move by 10-30% with the host's load,
 more than the few percent the targets are about, and the guest exposes no
 hardware counters. Two measures here that load moves little or not at all:
 
-**Instructions** (valgrind's callgrind): two runs of the same code count the
-same instructions to within a few in a million. Each contender trains the
+**Instructions** (valgrind's callgrind): load does not move them; two runs of
+the same loop in fresh processes counted 40.78 and 40.49 million instructions
+per `single` mlp step (0.7% apart: the address-space layout and the
+allocator's state differ from one process to the next), where the wall clock
+of two fits differs by 10-30% here. Each contender trains the
 workload in a fresh world of processes (every rank under ``valgrind
 --tool=callgrind --separate-threads=yes``, the hash seed fixed), once for
 ``warmup`` steps and once for ``warmup + n``. The difference over ``n`` is the
