@@ -54,13 +54,14 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from unison.launch.torchrun import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -71,12 +72,6 @@ COLLECTIVE_MARKS = ("ProcessGroupGloo::runLoop", "gloo::transport::tcp::Loop::ru
 TOP_FUNCTIONS = 8
 #: Steady steps of the getrusage measure (no valgrind: a longer difference is cheap and steadier).
 SYSTEM_STEPS = 40
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _thread_count(path: Path) -> tuple[int, str]:
@@ -125,7 +120,7 @@ def count_world(
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world),
         "LOCAL_WORLD_SIZE": str(world),
         "UNISON_RUNS_ROOT": str(out / "runs"),
@@ -133,20 +128,8 @@ def count_world(
     procs = []
     try:
         for rank in range(world):
-            cmd = [
-                valgrind,
-                "--tool=callgrind",
-                "--separate-threads=yes",
-                f"--callgrind-out-file={out}/cg.r{rank}",
-                sys.executable,
-                "-m",
-                "benchmarks.step_work",
-                "--child",
-                who,
-                strategy,
-                workload,
-                str(steps),
-            ]
+            tool = [valgrind, "--tool=callgrind", "--separate-threads=yes", f"--callgrind-out-file={out}/cg.r{rank}"]
+            cmd = [*tool, sys.executable, "-m", "benchmarks.step_work", "--child", who, strategy, workload, str(steps)]
             log = open(out / f"log.r{rank}", "w")  # noqa: SIM115  # closed with the process below
             rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             procs.append((subprocess.Popen(cmd, env=rank_env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log))

@@ -451,7 +451,13 @@ class Strategy(abc.ABC):
         return loss_fn(self.forward(inputs), targets)
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over data-parallel replicas; returned on every rank, on this rank's device."""
+        """Sum ``tensor`` over data-parallel replicas, element by element; returned on every rank, on this
+        rank's device.
+
+        The trainer calls it once per optimizer step with the micro-batches' losses (and item and token
+        counts); on the CPU, where the replicas are the whole world, two more numbers of its own ride along
+        (the stop flags, :mod:`unison.training.stopping`), so an override sums every element it is given.
+        """
         assert self.env is not None
         out = tensor.detach().to(self.env.device)
         if not self.env.distributed or self.data_parallel_size(self.env.world_size) == 1:

@@ -34,7 +34,6 @@ import torch
 from unison.contract.env import DistEnv
 from unison.contract.outputs import NonFiniteError, StepOutput
 from unison.contract.ownership import AccumulationOwner, Feature, GradSync
-from unison.contract.strategy import Strategy
 from unison.errors import ConfigurationError
 from unison.launch.collectives import RECORDER
 from unison.training import marks
@@ -232,16 +231,16 @@ class TrainLoop:
 
     def _loss_reduce_spans_world(self) -> bool:
         """Whether each step's loss all-reduce sums over every rank of the world on the CPU, at every step:
-        then it carries the stop flags (:class:`StopAgreement`). A strategy whose own ``reduce_sum`` might
-        reduce elsewhere, or whose replicas are not the whole world (a pipeline, tensor parallelism), keeps
+        then it carries the stop flags (:class:`StopAgreement`). ``reduce_sum`` sums over the data-parallel
+        replicas (the contract), so it spans the world where the strategy declares the world's ranks its
+        replicas; a strategy whose replicas are not the whole world (a pipeline, tensor parallelism) keeps
         the agreement's own all-reduce."""
-        env, strategy = self.env, self.strategy
+        env = self.env
         return (
             env.distributed
             and env.world_size > 1
             and env.device.type == "cpu"
-            and type(strategy).reduce_sum is Strategy.reduce_sum
-            and strategy.data_parallel_size(env.world_size) == env.world_size
+            and self.strategy.data_parallel_size(env.world_size) == env.world_size
         )
 
     def _count(self, skipped: bool) -> None:

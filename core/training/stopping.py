@@ -29,7 +29,7 @@ are all-reduced (MAX) on the CPU control group, and when:
 
 Where the step's loss all-reduce already runs over the whole world on the CPU
 (:attr:`StopAgreement.carried`: a strategy whose data-parallel replicas are the
-world and whose ``reduce_sum`` is the base one, on a CPU device), the flags of
+world, on a CPU device), the flags of
 step k's boundary ride in step k+1's loss all-reduce instead of an all-reduce
 of their own: two more numbers summed (counts of the ranks that want to stop
 and that received a request), read at step k+1's boundary as above. The lag,
@@ -85,7 +85,7 @@ class StopAgreement:
         requested]`` at the last boundary (zeros when that boundary agreed at once, or before the first)."""
         flags, self._outgoing = self._outgoing, None
         self._carrying = flags is not None  # alike on every rank: every rank passed the same boundaries
-        return flags[:2].clone() if flags is not None else torch.zeros(2)
+        return flags[:2] if flags is not None else torch.zeros(2)
 
     def incoming(self, summed: torch.Tensor) -> None:
         """``carried``: the two numbers summed over the world (counts of ranks), for the next boundary; ignored
@@ -125,7 +125,6 @@ class StopAgreement:
         agreed, self._agreed = self._agreed, None
         flags = self._local()
         if now or (agreed is not None and any(self._read(agreed)[:2])):
-            self._outgoing = None
             torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.group)
             return self._decide(flags if agreed is None else torch.maximum(flags, agreed))
         if self.carried:
