@@ -1,10 +1,10 @@
 """A metrics disk that fills during training: each logger reports it once and is disabled; training finishes.
 
-The run's loggers (JSONL, CSV, TensorBoard, MLflow on a SQLite store) write to a real 1 MiB tmpfs
-that a callback fills after step 5; checkpoints go to an ordinary directory. The policy
-(docs/logging.md, "When a logger cannot write"): one warning per logger naming it and where it
-writes, no raw traceback, the run ends with exit 0 and its last checkpoint verifies. Mounting a
-tmpfs needs root; elsewhere the test is skipped with that reason.
+The run's loggers (JSONL, CSV, TensorBoard, MLflow on a SQLite store) write to a real 16 MiB tmpfs
+(room for MLflow's schema, which grows between MLflow releases) that a callback fills after step 5;
+checkpoints go to an ordinary directory. The policy (docs/logging.md, "When a logger cannot write"):
+one warning per logger naming it and where it writes, no raw traceback, the run ends with exit 0 and
+its last checkpoint verifies. Mounting a tmpfs needs root; elsewhere the test is skipped with that reason.
 """
 
 from __future__ import annotations
@@ -58,11 +58,11 @@ print("finished at step", progress.global_step, flush=True)
 
 @pytest.fixture
 def full_disk(tmp_path):
-    """A 1 MiB tmpfs mounted at ``tmp_path/disk`` (unmounted afterwards)."""
+    """A 16 MiB tmpfs mounted at ``tmp_path/disk`` (unmounted afterwards)."""
     disk = tmp_path / "disk"
     disk.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)], capture_output=True, text=True
     )
     if mounted.returncode != 0:
         pytest.skip(f"mounting a tmpfs is not permitted here (needs root): {mounted.stderr.strip()}")
