@@ -44,6 +44,8 @@ FULL_TIER = {
     "test_conformance.py": "the suite on the test and example strategies, every scenario",
     "test_multinode.py": "two torchrun agents as two nodes",
     "test_multinode_cluster.py": "two torchrun agents per cluster environment",
+    "test_multinode_s3.py": "two torchrun agents as two nodes, checkpointing to object storage and resuming",
+    "test_launch_failures.py": "fault injection: a rank of a 2-process job failing in each way, one job at a time",
     "test_lifecycle.py": "fault injection: worker restarts in a row, preemption signals, rendezvous timeouts",
     "test_watchdog.py": "fault injection: frozen and stopped ranks, waiting out stall timeouts by design",
     "test_s3_uploads.py": "fault injection: uploads held past the client's timeout by a slow proxy, landing late",
