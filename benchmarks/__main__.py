@@ -187,7 +187,7 @@ def section_overhead(w: Any, rounds: int, timeout: float) -> tuple[list[Table], 
         ["strategy", "stop agreement", "bare 2-float all-reduce", "loss reduce", "grad norm (+ clip if trainer's)"],
         "Stop agreement: should_stop and stop requests, one all-reduce of 3 floats on the CPU (gloo) control group "
         "at every step boundary (a CPU collective: no device sync), or, where the loss all-reduce spans the world "
-        "on the CPU (ddp, fsdp), two more numbers in that one (this column is then the flags' bookkeeping). "
+        "on the CPU (ddp, fsdp, ZeRO), two more numbers in that one (this column is then the flags' bookkeeping). "
         "Loss reduce: the micro-batch losses summed over "
         "replicas on the device (every rank reports the same loss). Grad norm: strategy.clip_grad_norm, the global "
         "pre-clip norm hooks receive. Bare all-reduce: the same collective in a tight loop (its latency alone; "

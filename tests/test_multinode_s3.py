@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 import s3_server
-from test_s3_checkpoints import committed_steps, objects
+from test_s3_checkpoints import committed_steps
+
+from unison.launch.torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,11 +28,7 @@ pytestmark = pytest.mark.usefixtures("aws_env")  # conftest.py: the AWS variable
 
 def two_nodes_train(tmp_path: Path, config: Path, extra: list[str]) -> list[str]:
     """``unison train`` on two torchrun agents on 127.0.0.1 acting as two nodes, each in its own directory."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"127.0.0.1:{s.getsockname()[1]}"
+    endpoint = f"127.0.0.1:{free_port()}"
     procs = []
     for node in range(2):
         cwd = tmp_path / f"node{node}"  # no shared disk: each node stages in its own temporary directory
@@ -86,19 +84,19 @@ def test_unison_train_on_two_nodes_checkpoints_to_the_bucket_and_resumes(s3, tmp
     config.write_text(text)
     two_nodes_train(tmp_path, config, ["--max-steps", "4"])
     fs = s3.fs()
-    keys = objects(s3, "two-nodes")
+    keys = s3.objects("two-nodes")
     assert committed_steps(keys) == ["step-00000002", "step-00000004"], keys
     # Each node uploaded its own rank's files from its own disk.
     assert "step-00000004/rng/rank-00000.pt" in keys and "step-00000004/rng/rank-00001.pt" in keys
     manifest = json.loads(fs.cat_file(f"{s3_server.BUCKET}/two-nodes/step-00000004/manifest.json"))
     assert manifest["world_size"] == 2 and manifest["strategy"] == "ddp" and manifest["step"] == 4
     two_nodes_train(tmp_path, config, ["--max-steps", "6", "--resume", "auto"])
-    keys = objects(s3, "two-nodes")
+    keys = s3.objects("two-nodes")
     assert committed_steps(keys) == ["step-00000004", "step-00000006"], keys  # keep_last_n_checkpoints = 2
     resumed = json.loads(fs.cat_file(f"{s3_server.BUCKET}/two-nodes/step-00000006/manifest.json"))
     assert resumed["run"] == manifest["run"]  # the same run, continued
     # The metrics of both runs (global rank 0's, on node 0) are in the bucket, a version each.
-    runs = objects(s3, "two-nodes-runs")
+    runs = s3.objects("two-nodes-runs")
     for version in ("version_0", "version_1"):
         assert {f"{version}/run.json", f"{version}/metrics.jsonl", f"{version}/metrics.csv"} <= set(runs), runs
         assert any(k.startswith(f"{version}/tensorboard/") for k in runs), runs
