@@ -131,8 +131,9 @@ def distributed_costs(w: Workload, strategy: str = "ddp") -> dict[str, float]:
     boundary's all-reduce (``collect``) to the start of this one's (``agree``);
     where the loss all-reduce carries the flags (unison.training.stopping), the
     flags' bookkeeping at the boundary. ``loss_reduce``: the step's
-    micro-batch losses summed over replicas (``strategy.reduce_sum``), so every
-    rank reports the same loss.
+    micro-batch losses summed over replicas (``strategy.reduce_sum``, or the
+    one sum over the world of a strategy that reports its losses on some ranks:
+    a pipeline), so every rank reports the same loss.
     """
     import unison
 
@@ -167,7 +168,7 @@ def distributed_costs(w: Workload, strategy: str = "ddp") -> dict[str, float]:
                     started.clear()
 
             stop.collect, stop.agree = timed_collect, timed_agree
-            trainer.strategy.reduce_sum = timing("loss_reduce", trainer.strategy.reduce_sum)
+            loop._step_sum = timing("loss_reduce", loop._step_sum)  # reduce_sum, or the sum over the world
             trainer.strategy.clip_grad_norm = timing("grad_norm", trainer.strategy.clip_grad_norm)
 
     options = w.strategy_options(strategy)

@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 
 import unison
 from unison.launch.lifecycle import Preempted
+from unison.strategies.pipeline.torch_pipeline import PipelineOptions, PipelineStrategy
 
 from helpers import mlp, regression_data
 
@@ -111,10 +112,31 @@ class AtStep:
                 os.kill(os.getpid(), signal.SIGUSR1)
 
 
+class BroadcastPipeline(PipelineStrategy):
+    """``pipeline`` as plugin API 2.3 had it: it reports no losses (``None``), so its last stage's losses are
+    broadcast over the pipeline and summed with ``reduce_sum``; its replicas are not the world, so the stop
+    agreement keeps its own all-reduce on the CPU (what a third-party pipeline or tensor-parallel strategy
+    written for 2.3 gets)."""
+
+    def reports_step_losses(self) -> bool | None:
+        return None
+
+
+class BroadcastPipelinePlugin:
+    @unison.hookimpl
+    def unison_strategies(self) -> list[unison.StrategySpec]:
+        return [
+            unison.StrategySpec(
+                name="pipeline_broadcast", factory=BroadcastPipeline, description="test", options=PipelineOptions
+            )
+        ]
+
+
 def stop_run(strategy: str, what: str, rank: int, step: int, every: int) -> dict[str, Any]:
     """Ten steps at most, a checkpoint every ``every`` steps; ``what`` happens on ``rank`` at ``step``."""
     root = _shared_dir("unison-stop-")
     trainer = unison.Trainer(
+        plugin_manager=unison.PluginManager(plugins=[BroadcastPipelinePlugin()]),
         strategy=strategy,
         global_batch_size=16,
         accumulate_grad_batches=2,
@@ -139,6 +161,8 @@ def stop_run(strategy: str, what: str, rank: int, step: int, every: int) -> dict
         "preempted": preempted,
         "global_step": trainer.progress.global_step,
         "steps": [h.step for h in trainer.progress.history],
+        "losses": [[float(v) for v in h.micro_losses] for h in trainer.progress.history],
+        "grad_norms": [float(h.grad_norm) for h in trainer.progress.history],
         "checkpoints": sorted(p.name for p in Path(root).glob("step-*")),
         "carried": at.carried,
     }

@@ -148,18 +148,18 @@ def test_a_signature_mismatch_names_the_method_and_both_signatures():
 
 
 def test_a_deprecated_change_warns_until_it_is_removed():
-    # A synthetic future change: API 2.4 deprecates something 2.3 plugins do, removed in 3.0.
-    future = (*MIGRATIONS, Migration("2.4", "the thing 2.3 did", "do the other thing", removed_in="3.0"))
-    assert _Current.api_version == "2.3"
+    # A synthetic future change: API 2.5 deprecates something 2.4 plugins do, removed in 3.0.
+    future = (*MIGRATIONS, Migration("2.5", "the thing 2.4 did", "do the other thing", removed_in="3.0"))
+    assert _Current.api_version == "2.4"
     with pytest.warns(
-        DeprecationWarning, match=r"the thing 2\.3 did \(deprecated since API 2\.4, removed in API 3\.0\)"
+        DeprecationWarning, match=r"the thing 2\.4 did \(deprecated since API 2\.5, removed in API 3\.0\)"
     ):
-        check_strategy_class(_Current, plugin="test", api_version="2.4", migrations=future)
+        check_strategy_class(_Current, plugin="test", api_version="2.5", migrations=future)
     with pytest.raises(unison.PluginError, match="Migrate: do the other thing"):
         check_strategy_class(_Current, plugin="test", api_version="3.0", migrations=future)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_strategy_class(_Current, plugin="test", api_version="2.3", migrations=future)
+        check_strategy_class(_Current, plugin="test", api_version="2.4", migrations=future)
 
 
 def test_setup_runs_the_hooks_in_order_and_sets_the_attributes():
@@ -193,15 +193,16 @@ def test_setup_runs_the_hooks_in_order_and_sets_the_attributes():
     assert strategy.optimizer.param_groups[0]["params"] == list(module.parameters())
 
 
-def test_a_plugin_written_for_2_0_registers_unchanged_under_2_2():
-    """2.1 and 2.2 only added (the apply_features hook, two refusable features, Ownership.mesh; the
-    unison_tensor_parallel_plan hookspec and Strategy.plugins): no migration, no warning."""
+def test_a_plugin_written_for_2_0_registers_unchanged_under_2_4():
+    """2.1 to 2.4 only added (the apply_features hook, two refusable features, Ownership.mesh; the
+    unison_tensor_parallel_plan hookspec and Strategy.plugins; loss normalisation and the build hook;
+    reports_step_losses): no migration, no warning."""
 
     class Written20(ReplicatedStrategy):
         api_version = "2.0"
         ownership = _Current.ownership
 
-    assert API_VERSION == "2.3"
+    assert API_VERSION == "2.4"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         check_strategy_class(Written20, plugin="test")

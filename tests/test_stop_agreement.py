@@ -6,8 +6,10 @@ stops every rank after step 3 (``global_step`` 4); a step that saves a
 checkpoint agrees at once, so a signal during step 3, which saves, stops there;
 a signal during the last step is agreed at the end of the fit
 (:mod:`unison.training.stopping`). ddp, fsdp and zero2 carry the flags in the
-step's loss all-reduce; the pipeline keeps an all-reduce of their own: both
-paths run here.
+step's loss all-reduce, and the pipeline in the one sum over the world that
+brings its last stage's losses to every rank; a pipeline written for plugin API
+2.3 (``pipeline_broadcast``, :class:`fail_worlds.BroadcastPipeline`: losses
+broadcast, not reported) keeps an all-reduce of their own: both paths run here.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from fail_worlds import stop_world
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-FAMILIES = ("ddp", "fsdp", "zero2", "pipeline")
+FAMILIES = ("ddp", "fsdp", "zero2", "pipeline", "pipeline_broadcast")
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +81,22 @@ def test_a_signal_in_the_last_step_preempts_every_rank_at_the_end_of_the_fit(wor
 
 @pytest.mark.parametrize("strategy", FAMILIES)
 def test_the_flags_ride_the_loss_all_reduce_where_it_spans_the_world_on_the_cpu(world, strategy):
-    """ddp, fsdp and zero2 reduce the loss over the whole world: no collective of the agreement's own per step.
-    A pipeline's replicas are not the world (one replica of two stages): it keeps the agreement's all-reduce.
-    Both paths stop every rank alike (the tests above)."""
+    """ddp, fsdp and zero2 reduce the loss over the whole world, and so does the pipeline, whose last stage
+    reports its losses (API 2.4): no collective of the agreement's own per step. A pipeline that reports
+    nothing has replicas that are not the world (one replica of two stages): it keeps the agreement's
+    all-reduce. Both paths stop every rank alike (the tests above)."""
     for rank in world:
         for scenario in rank[strategy].values():
-            assert scenario["carried"] is (strategy != "pipeline"), (strategy, scenario)
+            assert scenario["carried"] is (strategy != "pipeline_broadcast"), (strategy, scenario)
+
+
+def test_a_pipeline_that_reports_its_losses_logs_what_one_that_broadcasts_them_logs(world):
+    """The last stage's losses reach the other stage in the trainer's sum over the world (zeros added) instead
+    of a broadcast: every rank logs the same micro-batch losses, bit for bit, and trains the same grad norms."""
+    for scenario in ("should_stop", "signal", "signal_at_save", "signal_in_last_step"):
+        reported = [rank["pipeline"][scenario] for rank in world]
+        broadcast = [rank["pipeline_broadcast"][scenario] for rank in world]
+        assert reported[0]["losses"] and all(len(losses) == 2 for losses in reported[0]["losses"])
+        for run in reported + broadcast:
+            assert run["losses"] == reported[0]["losses"], scenario
+            assert run["grad_norms"] == reported[0]["grad_norms"], scenario

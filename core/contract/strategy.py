@@ -38,7 +38,8 @@ values, and a :class:`Strategy` subclass. Read this module in order:
    FSDP...) then ``build_optimizer``, and which an engine that does both in one
    call (DeepSpeed, pipelines) implements whole. No built-in overrides ``setup``.
 4. **Hot path**: ``forward``, ``backward``, ``clip_grad_norm``,
-   ``optimizer_step``, ``zero_grad``, ``to_device``, ``reduce_sum``.
+   ``optimizer_step``, ``zero_grad``, ``to_device``, ``reduce_sum`` (or, where
+   ``reports_step_losses`` answers a bool, one sum over the world; API 2.4).
 5. **State**: ``full_state_dict`` (canonical), ``save_state`` / ``load_state``.
    The helpers most strategies need are here too: :func:`canonical`,
    :func:`dcp_save`, :func:`dcp_load` (``torch.distributed.checkpoint`` in the
@@ -136,7 +137,9 @@ class ScheduleAccumulation(Protocol):
         """Run forward and backward over all ``(inputs, targets)`` micro-batches; return each one's loss.
 
         Gradients must end up as the mean over micro-batches; losses are
-        undivided and returned on every rank. A strategy that declares
+        undivided and returned on every rank (API 2.4: a strategy whose
+        :meth:`Strategy.reports_step_losses` answers a bool returns them on
+        the ranks that answer ``True`` and zeros on the others). A strategy that declares
         ``Ownership.loss_normalisation`` (API 2.3) also takes a ``loss_fn``
         returning ``(loss_sum, num_items)``: it backpropagates ``loss_sum`` as
         it would a mean loss and returns each micro-batch's pair
@@ -455,8 +458,10 @@ class Strategy(abc.ABC):
         rank's device.
 
         The trainer calls it once per optimizer step with the micro-batches' losses (and item and token
-        counts); on the CPU, where the replicas are the whole world, two more numbers of its own ride along
-        (the stop flags, :mod:`unison.training.stopping`), so an override sums every element it is given.
+        counts), unless :meth:`reports_step_losses` answers a bool; on the CPU, where the replicas are the
+        whole world, two more numbers of its own ride along (the stop flags,
+        :mod:`unison.training.stopping`), so an override sums every element it is given. Validation sums
+        its losses with it too.
         """
         assert self.env is not None
         out = tensor.detach().to(self.env.device)
@@ -473,6 +478,27 @@ class Strategy(abc.ABC):
 
     def data_parallel_group(self) -> Any:
         """The process group of this rank's data-parallel replicas (``None``: the world)."""
+        return None
+
+    def reports_step_losses(self) -> bool | None:
+        """How the step's losses reach every rank (plugin API 2.4); asked once per fit, after :meth:`setup`.
+
+        ``None`` (the default, and the only form before 2.4): every rank holds
+        its replica's losses after ``forward_backward`` / ``backward``, and the
+        trainer sums the step's numbers (each micro-batch's loss and item
+        count, the step's token count) over the replicas with :meth:`reduce_sum`.
+
+        ``True`` or ``False``: the trainer sums them over every rank of the
+        world (the default process group, on this rank's device) instead,
+        counting this rank's numbers (``True``) or zeros in their place
+        (``False``). Exactly one rank of each data-parallel replica answers
+        ``True``, so the sum is the replicas' sum, and it reaches every rank.
+        A pipeline answers ``True`` on the stage that computes the loss: its
+        ``forward_backward`` returns the losses there and zeros on the other
+        stages, with no collective of its own to send them. Being one
+        collective over the world, the sum also carries the trainer's stop
+        flags on the CPU (:mod:`unison.training.stopping`).
+        """
         return None
 
     def make_grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:

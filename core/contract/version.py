@@ -47,7 +47,10 @@ from unison.errors import PluginError
 #: accumulation path takes that form unchanged, an engine or schedule that declares nothing refuses it;
 #: the ``build(module, make_optimizer)`` hook of the ``setup`` template, for engines that wrap and build the
 #: optimizer in one call (an override of ``setup`` keeps working).
-API_VERSION = "2.3"
+#: 2.4 (additive, no migration): ``Strategy.reports_step_losses``: a strategy whose step losses exist on some
+#: ranks only (a pipeline's last stage) has the trainer sum them over the world, zeros elsewhere, instead of
+#: sending them to every rank itself; a 2.3 strategy answers ``None`` and is summed with ``reduce_sum``.
+API_VERSION = "2.4"
 
 
 @dataclass(frozen=True)

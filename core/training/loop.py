@@ -85,6 +85,9 @@ class TrainLoop:
         self.metrics = metrics
         #: The fit's progress watchdog.
         self.watchdog = watchdog
+        #: How the step's losses reach every rank, asked once (API 2.4): ``None``, ``reduce_sum`` over the replicas;
+        #: a bool, one sum over the world counting this rank's numbers (``True``) or zeros (:meth:`_step_sum`).
+        self.reports = self.strategy.reports_step_losses()
         #: Every rank's stop flags (``should_stop``, ``guard``'s stop requests), agreed over the CPU control group.
         self.stop = StopAgreement(trainer, guard, control_group, env, carried=self._loss_reduce_spans_world())
         #: ``nonfinite="raise"``: each step's finiteness, read one step late.
@@ -156,10 +159,13 @@ class TrainLoop:
         if batch.tokens is not None:
             # torch.full: the count is a kernel argument, not a host-to-device copy (which would synchronise).
             parts.append(torch.full((1,), float(batch.tokens), device=parts[0].device))
+        numbers = torch.cat(parts)
+        if self.reports is False:  # another rank of this replica reports its numbers (a pipeline's last stage)
+            numbers = torch.zeros_like(numbers)
         stop = self.stop
         if stop.carried:  # the last boundary's stop flags ride along (unison.training.stopping)
-            parts.append(stop.outgoing().to(parts[0].dtype))
-        reduced = strategy.reduce_sum(torch.cat(parts))
+            numbers = torch.cat([numbers, stop.outgoing().to(numbers)])
+        reduced = self._step_sum(numbers)
         if stop.carried:
             stop.incoming(reduced[-2:])
             reduced = reduced[:-2]
@@ -229,18 +235,31 @@ class TrainLoop:
             tokens = torch.where(mean, tokens if tokens is not None else -one, total)
         return micro, tokens
 
+    def _step_sum(self, numbers: torch.Tensor) -> torch.Tensor:
+        """The step's numbers summed over the data-parallel replicas, on every rank: by the strategy's
+        ``reduce_sum``, or, where it reports its losses on some ranks only (``self.reports`` a bool), by one
+        all-reduce over the world in which the other ranks' numbers are zeros (exact: adding zero rounds
+        nothing)."""
+        if self.reports is None:
+            return self.strategy.reduce_sum(numbers)
+        out = numbers.detach().to(self.env.device)
+        if self.env.distributed and self.env.world_size > 1:
+            torch.distributed.all_reduce(out)  # out is the step's own tensor (torch.cat made it)
+        return out
+
     def _loss_reduce_spans_world(self) -> bool:
         """Whether each step's loss all-reduce sums over every rank of the world on the CPU, at every step:
         then it carries the stop flags (:class:`StopAgreement`). ``reduce_sum`` sums over the data-parallel
         replicas (the contract), so it spans the world where the strategy declares the world's ranks its
-        replicas; a strategy whose replicas are not the whole world (a pipeline, tensor parallelism) keeps
-        the agreement's own all-reduce."""
+        replicas; a strategy that reports its losses on some ranks (:meth:`_step_sum`) sums over the world
+        whatever its replicas. A strategy whose replicas are not the whole world and that reports nothing
+        (tensor parallelism, a 2.3 pipeline) keeps the agreement's own all-reduce."""
         env = self.env
         return (
             env.distributed
             and env.world_size > 1
             and env.device.type == "cpu"
-            and self.strategy.data_parallel_size(env.world_size) == env.world_size
+            and (self.reports is not None or self.strategy.data_parallel_size(env.world_size) == env.world_size)
         )
 
     def _count(self, skipped: bool) -> None:

@@ -29,7 +29,8 @@ are all-reduced (MAX) on the CPU control group, and when:
 
 Where the step's loss all-reduce already runs over the whole world on the CPU
 (:attr:`StopAgreement.carried`: a strategy whose data-parallel replicas are the
-world, on a CPU device), the flags of
+world, or one that reports its step losses on some ranks, which the trainer
+then sums over the world: a pipeline, tensor parallelism; on a CPU device), the flags of
 step k's boundary ride in step k+1's loss all-reduce instead of an all-reduce
 of their own: two more numbers summed (counts of the ranks that want to stop
 and that received a request), read at step k+1's boundary as above. The lag,

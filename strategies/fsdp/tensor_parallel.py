@@ -27,8 +27,10 @@ Decisions:
   any process group, and the refusal is declared (``Feature.NO_TENSOR_PARALLEL_PLAN``):
   there is no general way to guess which layers pair up.
 * **Data.** ``tp`` ranks of one ``dp`` index compute on the same samples:
-  ``data_parallel_size`` is ``world / tp_size``, losses and metrics are
-  reduced over the ``dp`` group.
+  ``data_parallel_size`` is ``world / tp_size``; validation's losses are
+  reduced over the ``dp`` group, a step's in one all-reduce over the world to
+  which the first ``tp`` rank of each replica adds them (``reports_step_losses``,
+  plugin API 2.4; on the CPU it carries the stop flags too).
 * **Accumulation** is the trainer's: ``no_sync()`` defers FSDP2's
   reduce-scatter over ``dp``. The ``tp`` collectives (all-reduce of a
   row-wise output, of a column-wise input gradient) are part of each
@@ -98,7 +100,8 @@ def fsdp_tp_mesh(tp_size: int) -> MeshLayout:
                 None,
                 shards="parameters, gradients, optimizer state (FSDP2, dim 0); the samples of each micro-batch",
                 collectives="all-gather of parameters per unit in forward and backward; reduce-scatter of "
-                "gradients once per optimizer step (deferred by no_sync); the loss/metric all-reduce",
+                "gradients once per optimizer step (deferred by no_sync); validation's loss all-reduce; the "
+                "step's losses in one all-reduce over the whole mesh (tp rank 0's, zeros on the others)",
             ),
             MeshDim(
                 "tp",
@@ -184,6 +187,12 @@ class FSDPTPStrategy(FSDP2Strategy):
 
     def data_parallel_group(self) -> Any:
         return self._dp_group
+
+    def reports_step_losses(self) -> bool | None:
+        """The tensor-parallel ranks of a replica compute the same losses: the first reports them, in the
+        trainer's one sum over the world (plugin API 2.4), which on the CPU also carries its stop flags."""
+        assert self.env is not None
+        return self.env.rank % self.options.tp_size == 0
 
     def validate_model(self, model: torch.nn.Module, settings: Any) -> None:
         super().validate_model(model, settings)

@@ -6,9 +6,11 @@ stages and runs its own schedule in ``setup`` / ``forward_backward``, then recor
 this rank holds with :meth:`StagedStrategy._place`; everything after the schedule is
 here, written once:
 
-* **Losses on every rank.** Only the last chunk sees the loss; its undivided
-  per-micro-batch losses are broadcast over the pipeline so that the trainer
-  logs the same numbers on every rank.
+* **Losses on every rank.** Only the last chunk sees the loss; its stage
+  reports the undivided per-micro-batch losses and the other stages return
+  zeros (:meth:`StagedStrategy.reports_step_losses`, plugin API 2.4): the
+  trainer's one sum over the world, which it runs anyway to sum the replicas,
+  brings them to every rank, so every rank logs the same numbers.
 * **Global clipping.** Each rank holds a slice of the model, so the global
   norm is the square root of the squared per-rank norms all-reduced over the
   pipeline; every rank clips by that same number.
@@ -161,15 +163,21 @@ class StagedStrategy(Strategy):
         if n != self._n:
             raise RuntimeError(f"strategy {self.name!r} was set up for {self._n} micro-batches per step, got {n}")
 
-    def _losses_on_every_rank(
+    def reports_step_losses(self) -> bool | None:
+        """The stage that computes the loss reports the step's losses (plugin API 2.4): the trainer's one
+        sum over the world brings them to the other stages, which return zeros, so the schedule sends no
+        losses of its own. A subclass that answers ``None`` has them broadcast over the pipeline instead."""
+        return self.is_last
+
+    def _step_losses(
         self, last_stage_losses: list[tuple[torch.Tensor, torch.Tensor | None]] | None, n: int
     ) -> list[Any]:
-        """The last stage's undivided micro-batch losses as ``(loss, items)`` pairs, on every stage.
+        """The last stage's undivided micro-batch losses as ``(loss, items)`` pairs, ``items`` -1 for a mean
+        loss: the other stages cannot know which form the loss took without reading the device, so every
+        stage returns the pair and the trainer decides on the device (``TrainLoop._normalise``).
 
-        One broadcast of ``(loss, items)`` rows, ``items`` -1 for a mean loss:
-        the other stages cannot know which form the loss took without reading
-        the device, so every stage returns the pair and the trainer decides on
-        the device (``TrainLoop._normalise``).
+        On the other stages, zeros (:meth:`reports_step_losses`), or, where it answers ``None``, the last
+        stage's rows, broadcast over the pipeline.
         """
         assert self.env is not None
         device = self.env.device
@@ -183,7 +191,7 @@ class StagedStrategy(Strategy):
             )
         else:
             rows = torch.zeros(n, 2, dtype=torch.float32, device=device)
-        if self.layout.stages > 1:
+        if self.layout.stages > 1 and self.reports_step_losses() is None:
             dist.broadcast(rows, src=self._last_rank, group=self._pp_group)
         return [(row[0], row[1]) for row in rows.unbind()]
 

@@ -195,7 +195,7 @@ class DeepSpeedPipelineStrategy(StagedStrategy):
             run_train_schedule_without_step(self.engine, batches)
         finally:
             self._loss = None
-        return self._losses_on_every_rank(record if self.is_last else None, n)
+        return self._step_losses(record if self.is_last else None, n)
 
     def make_grad_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         raise NotImplementedError("deepspeed_pipeline supports fp32 only")

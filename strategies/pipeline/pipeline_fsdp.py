@@ -114,14 +114,15 @@ def pipeline_fsdp_mesh(stages: int) -> MeshLayout:
                 "each micro-batch",
                 collectives="all-gather of a stage's parameters per unit; reduce-scatter of its gradients once "
                 "per optimizer step (the schedule's REDUCE_GRAD after the last micro-batch's backward); the "
-                "grad-norm and loss all-reduces",
+                "grad-norm all-reduce; the step's losses in one all-reduce over the whole mesh",
             ),
             MeshDim(
                 "pp",
                 stages,
                 shards="the model's layers (contiguous model chunks, one or more per rank)",
                 collectives="point-to-point activations and activation gradients every micro-batch; the "
-                "broadcast of the last stage's losses; the all-reduce of the stages' squared grad norms",
+                "all-reduce of the stages' squared grad norms; the step's losses in the mesh-wide all-reduce "
+                "(the last stage's, zeros on the others)",
             ),
         )
     )

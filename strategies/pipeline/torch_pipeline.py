@@ -27,8 +27,8 @@ Decisions, and why:
 * **Process groups from a named DeviceMesh.** ``init_device_mesh(device,
   (replicas, stages), mesh_dim_names=("dp", "pp"))`` lays ranks out exactly as
   above (row-major: ``rank = replica * stages + stage``); its ``"pp"`` group
-  carries the schedule's sends and the loss broadcast, its ``"dp"`` group the
-  gradient all-reduce. It is made afresh at every setup: a group does not
+  carries the schedule's sends and the validation loss's broadcast, its ``"dp"``
+  group the gradient all-reduce. It is made afresh at every setup: a group does not
   outlive the process group the trainer may destroy at the end of ``fit``.
 * **Mean over micro-batches inside the schedule loss.** The schedule backpropagates
   ``loss / n`` (with ``scale_grads=False``), exactly what the trainer does for
@@ -374,14 +374,14 @@ class PipelineStrategy(StagedStrategy):
             for runner in self._runners:
                 runner.precision = Precision()
         self._all_reduce_grads()
-        # Every rank of the pipeline returns the last stage's micro-batch losses,
-        # so the trainer's reduce_mean over replicas is the same everywhere.
+        # The last stage returns its micro-batch losses, the other stages zeros: the trainer's sum over the
+        # world (reports_step_losses) brings every replica's to every rank.
         undivided = (
             [next((loss, items) for scaled, loss, items in record if scaled is r) for r in reported]
             if self.is_last
             else None
         )
-        return self._losses_on_every_rank(undivided, n)
+        return self._step_losses(undivided, n)
 
     def _all_reduce_grads(self) -> None:
         """Mean of each stage's gradients over its data-parallel replicas (one flat all-reduce)."""
