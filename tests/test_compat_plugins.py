@@ -1,6 +1,6 @@
 """Plugins written against each released plugin API (tests/compat_plugins/) register as their version promises.
 
-1.x is refused at registration with the migration it needs; 2.0, 2.1 and 2.2 register unchanged, without a
+1.x is refused at registration with the migration it needs; 2.0 to 2.3 register unchanged, without a
 warning. The 2.0 one overrides ``setup`` (the 2.0 migration's "add env=None"): its declaration refuses the
 module features that came in 2.1, with the reason, and a run asking for one is refused before any process
 group; a run without them trains (the trainer binds ``env`` before calling the override). Their

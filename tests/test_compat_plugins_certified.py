@@ -1,12 +1,15 @@
-"""The conformance suite certifies the plugins kept for plugin API 2.0, 2.1 and 2.2 (tests/compat_plugins/)
-unchanged on the current version: a minor version is additive only if this holds.
+"""The conformance suite certifies the plugins kept for plugin API 2.0 to 2.3 (tests/compat_plugins/) unchanged
+on the current version: a minor version is additive only if this holds.
 
 One suite run (2-rank gloo worlds) on the scenarios where the versions differ: ``plain`` and
 ``accumulation`` (what every version trains), ``compile`` and ``activation_checkpointing`` (added in 2.1,
-applied by the setup template). The 2.0 plugin overrides ``setup`` and never applies them: those two are
-*declared out* with the reason, never failed; the 2.1 plugin (on the template) and the 2.2 one (a ``setup``
-override applying them with ``unison.contract.transforms``) prove them, the suite's probes seeing frames
-compiled and forwards recomputed.
+applied by the setup template), ``token_loss`` (``(loss_sum, num_items)`` losses, 2.3: a strategy on the
+trainer's accumulation path takes them whatever version it was written for). The 2.0 plugin overrides
+``setup`` and never applies the features: those two are *declared out* with the reason, never failed; the
+2.1 plugin (on the template), the 2.2 one (a ``setup`` override applying them with
+``unison.contract.transforms``) and the 2.3 one (the ``build`` hook) prove them, the suite's probes seeing
+frames compiled and forwards recomputed. None of them answers ``reports_step_losses`` (2.4): their losses
+are summed with ``reduce_sum``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from helpers import suite_report_dir
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(900)]
 
-SCENARIOS = ["plain", "accumulation", "compile", "activation_checkpointing"]
+SCENARIOS = ["plain", "accumulation", "compile", "activation_checkpointing", "token_loss"]
 SUPPORTED = {module: name for module, (version, name) in PLUGINS.items() if version != "1.x"}
 
 
@@ -43,7 +46,7 @@ def report(tmp_path_factory) -> SuiteReport:
 def test_every_kept_2x_plugin_is_certified_unchanged(report, name):
     statuses = {n: v.status for n, v in report.verdicts[name].items()}
     assert report.certificate(name).certified, {n: v.summary() for n, v in report.verdicts[name].items()}
-    assert statuses["plain"] == statuses["accumulation"] == PASS
+    assert statuses["plain"] == statuses["accumulation"] == statuses["token_loss"] == PASS, statuses
     if name == "compat_2_0":
         for feature in ("compile", "activation_checkpointing"):
             v = report.verdicts[name][feature]

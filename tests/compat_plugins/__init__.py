@@ -12,4 +12,5 @@ PLUGINS = {
     "compat_plugins.api_2_0": ("2.0", "compat_2_0"),
     "compat_plugins.api_2_1": ("2.1", "compat_2_1"),
     "compat_plugins.api_2_2": ("2.2", "compat_2_2"),
+    "compat_plugins.api_2_3": ("2.3", "compat_2_3"),
 }
