@@ -159,12 +159,12 @@ class TrainLoop:
         if batch.tokens is not None:
             # torch.full: the count is a kernel argument, not a host-to-device copy (which would synchronise).
             parts.append(torch.full((1,), float(batch.tokens), device=parts[0].device))
-        numbers = torch.cat(parts)
-        if self.reports is False:  # another rank of this replica reports its numbers (a pipeline's last stage)
-            numbers = torch.zeros_like(numbers)
         stop = self.stop
         if stop.carried:  # the last boundary's stop flags ride along (unison.training.stopping)
-            numbers = torch.cat([numbers, stop.outgoing().to(numbers)])
+            parts.append(stop.outgoing().to(parts[0].dtype))
+        numbers = torch.cat(parts)
+        if self.reports is False:  # another rank of this replica reports the numbers (a pipeline's last stage)
+            numbers[: numbers.numel() - (2 if stop.carried else 0)] = 0  # this rank's flags still count
         reduced = self._step_sum(numbers)
         if stop.carried:
             stop.incoming(reduced[-2:])
