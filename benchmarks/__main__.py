@@ -187,9 +187,10 @@ def section_overhead(w: Any, rounds: int, timeout: float) -> tuple[list[Table], 
         ["strategy", "stop agreement", "bare 2-float all-reduce", "loss reduce", "grad norm (+ clip if trainer's)"],
         "Stop agreement: should_stop and stop requests, one all-reduce of 3 floats on the CPU (gloo) control group "
         "at every step boundary (a CPU collective: no device sync), or, where the loss all-reduce spans the world "
-        "on the CPU (ddp, fsdp, ZeRO), two more numbers in that one (this column is then the flags' bookkeeping). "
+        "on the CPU (every strategy here), two more numbers in that one (this column is then the flags' bookkeeping). "
         "Loss reduce: the micro-batch losses summed over "
-        "replicas on the device (every rank reports the same loss). Grad norm: strategy.clip_grad_norm, the global "
+        "replicas on the device (every rank reports the same loss; the pipeline's last stage adds its losses, the "
+        "other stage zeros, in one sum over the world). Grad norm: strategy.clip_grad_norm, the global "
         "pre-clip norm hooks receive. Bare all-reduce: the same collective in a tight loop (its latency alone; "
         "the rest of the stop agreement is waiting for the slower rank). Medians over the steady steps of one run.",
     )
