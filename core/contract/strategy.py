@@ -138,8 +138,9 @@ class ScheduleAccumulation(Protocol):
 
         Gradients must end up as the mean over micro-batches; losses are
         undivided and returned on every rank (API 2.4: a strategy whose
-        :meth:`Strategy.reports_step_losses` answers a bool returns them on
-        the ranks that answer ``True`` and zeros on the others). A strategy that declares
+        :meth:`Strategy.reports_step_losses` answers ``False`` on a rank need
+        not send its losses there: it returns as many values of the same form,
+        whose values the trainer replaces by zeros). A strategy that declares
         ``Ownership.loss_normalisation`` (API 2.3) also takes a ``loss_fn``
         returning ``(loss_sum, num_items)``: it backpropagates ``loss_sum`` as
         it would a mean loss and returns each micro-batch's pair
@@ -493,9 +494,12 @@ class Strategy(abc.ABC):
         counting this rank's numbers (``True``) or zeros in their place
         (``False``). Exactly one rank of each data-parallel replica answers
         ``True``, so the sum is the replicas' sum, and it reaches every rank.
-        A pipeline answers ``True`` on the stage that computes the loss: its
-        ``forward_backward`` returns the losses there and zeros on the other
-        stages, with no collective of its own to send them. Being one
+        On a ``False`` rank the step's values must still have the same count
+        and form (mean or pair) as on the ``True`` rank, since they are summed
+        element by element; the trainer replaces their values by zeros. A
+        pipeline answers ``True`` on the stage that computes the loss and
+        returns zeros on the other stages, with no collective of its own to
+        send the losses. Being one
         collective over the world, the sum also carries the trainer's stop
         flags on the CPU (:mod:`unison.training.stopping`).
         """

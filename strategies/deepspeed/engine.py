@@ -332,11 +332,8 @@ class DeepSpeedStrategy(Strategy):
         for group, held in pieces.items():
             # One foreach norm over the pieces (fp32, as torch.nn.utils.clip_grad_norm_ and DeepSpeed's own
             # norm compute), squared and summed over the group in fp64: no fp64 copy of the gradients.
-            partial = (
-                torch.nn.utils.get_total_norm(held, norm_type=2.0, foreach=True).to(device).double().pow(2).reshape(())
-                if held
-                else torch.zeros((), dtype=torch.float64, device=device)
-            )
+            # (No piece here: get_total_norm returns 0, and this rank still joins the group's all-reduce.)
+            partial = torch.nn.utils.get_total_norm(held, norm_type=2.0, foreach=True).to(device).double().pow(2)
             if group is not None:
                 torch.distributed.all_reduce(partial, group=group)
             total += partial
